@@ -1,0 +1,28 @@
+"""jaxhead: exact float32 log-probs and entropy of kept tokens, for RL post-training in JAX.
+
+Public API:
+  token_logprobs            chunked, memory-bounded head on the kept tokens (``HeadOutput``)
+  reference_token_logprobs  plain full-logits head (oracle and baseline)
+  keep_mask                 union of the loss components that read each token
+  next_token_labels         shift-left labels that respect packed segments
+  bucket_size, bucket_ladder  static padded sizes for the kept set
+  LMHead                    Flax NNX module owning or tying the head weight
+"""
+
+from jaxhead.buckets import bucket_ladder, bucket_size
+from jaxhead.head import token_logprobs
+from jaxhead.masks import keep_mask, next_token_labels
+from jaxhead.nnx import LMHead
+from jaxhead.reference import reference_token_logprobs
+from jaxhead.types import HeadOutput
+
+__all__ = [
+    "HeadOutput",
+    "LMHead",
+    "bucket_ladder",
+    "bucket_size",
+    "keep_mask",
+    "next_token_labels",
+    "reference_token_logprobs",
+    "token_logprobs",
+]

@@ -1,0 +1,144 @@
+"""``token_logprobs``: validation, bucket choice, compaction, dispatch, expansion."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxhead import compaction, validation, xla
+from jaxhead.buckets import bucket_size
+from jaxhead.reference import reference_token_logprobs
+from jaxhead.types import HeadOutput
+
+IMPLS = ("auto", "xla", "reference")
+
+
+def resolve_impl(impl: str) -> str:
+    """The implementation ``impl`` runs: ``"auto"`` becomes ``"xla"`` on every backend.
+
+    Raises:
+      ValueError: an unknown name (the valid ones are listed).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return "xla" if impl == "auto" else impl
+
+
+def _resolve_bucket(keep_flat, bucket, num_tokens: int) -> int:
+    concrete = validation.is_concrete(keep_flat)
+    count = int(jnp.sum(keep_flat)) if concrete else None
+    if bucket is None:
+        return num_tokens if count is None else bucket_size(count, num_tokens)
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
+        raise ValueError(f"bucket must be a non-negative int or None, got {bucket!r}")
+    if count is not None and count > bucket:
+        raise ValueError(
+            f"bucket={bucket} is smaller than the {count} kept tokens; pass a larger bucket "
+            f"(jaxhead.bucket_size({count}, {num_tokens}) = {bucket_size(count, num_tokens)})"
+        )
+    return min(bucket, num_tokens)
+
+
+def token_logprobs(
+    hidden: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    keep: jax.Array | None = None,
+    *,
+    temperature=1.0,
+    softcap: float | None = None,
+    with_entropy: bool = True,
+    bucket: int | None = None,
+    impl: str = "auto",
+    token_chunk: int = xla.DEFAULT_TOKEN_CHUNK,
+    vocab_chunk: int = xla.DEFAULT_VOCAB_CHUNK,
+) -> HeadOutput:
+    """float32 ``log p(label)`` and entropy of the kept tokens, without ``[N, V]`` logits.
+
+    The logits of a token are ``l = z / temperature`` with ``z = u`` or, with a soft-cap
+    ``c``, ``z = c * tanh(u / c)`` (Gemma 2, applied before the temperature), where
+    ``u = hidden @ weight`` is accumulated in float32. Then ``logprobs = l_label - logsumexp(l)``
+    and ``entropy = -sum_v p_v log p_v`` (nats). Kept tokens are gathered into a padded
+    bucket of static size, the vocabulary is scanned in chunks with an online log-sum-exp,
+    and the backward pass recomputes each logit tile (see ``jaxhead.xla``): memory is
+    ``O(bucket * H + tile)``, never ``O(N * V)``.
+
+    Args:
+      hidden: ``[..., H]`` bf16 / f16 / f32 final hidden states (after the final norm).
+      weight: ``[H, V]`` head weight, same dtype as ``hidden`` (for tied embeddings pass the
+        embedding table transposed).
+      labels: int ``[...]``: the next token of each position (see ``next_token_labels``).
+      keep: optional bool ``[...]`` (see ``keep_mask``): positions to compute. None: all.
+      temperature: scalar or float ``[...]`` (> 0): sampling temperature per token. Treated
+        as a constant: no gradient flows to it.
+      softcap: ``c > 0`` or None.
+      with_entropy: also compute the entropy and its gradient.
+      bucket: static number of rows the kept tokens are compacted into. None: with a
+        concrete ``keep``, ``bucket_size(keep.sum(), N)`` chosen on the host; with a traced
+        ``keep``, N (correct, but no saving: pass a bucket under ``jit``).
+      impl: ``"auto"`` (the XLA chunked path), ``"xla"`` or ``"reference"`` (full logits).
+      token_chunk: rows per tile (rounded down to fit the bucket in as few tiles).
+      vocab_chunk: columns per tile; V need not be a multiple of it.
+
+    Returns:
+      ``HeadOutput(logprobs, entropy)``, float32 ``[...]``; exactly 0 where ``keep`` is
+      false, and exactly zero gradient there. Differentiable w.r.t. ``hidden`` and
+      ``weight``; gradients come back in their dtypes, accumulated in float32.
+
+    Raises:
+      ValueError: shapes that disagree (both named); with concrete inputs, kept labels
+        outside ``[0, V)`` (count and first position named), a temperature not > 0 on a
+        kept token, or ``bucket`` smaller than the number of kept tokens; an unknown impl.
+      TypeError: non-float hidden/weight, different hidden/weight dtypes, non-integer
+        labels, non-bool keep.
+
+    Under ``jit`` the value checks cannot run on the host. Instead, a kept token whose
+    label is outside ``[0, V)``, or that does not fit in ``bucket``, gets ``logprobs = NaN``
+    (and, for the bucket case, ``entropy = NaN``) so that the loss turns NaN rather than
+    silently wrong; a temperature <= 0 gives inf/NaN the same way.
+    """
+    validation.check_inputs(hidden, weight, labels, keep, temperature, softcap)
+    impl = resolve_impl(impl)
+    hidden_size, vocab_size = weight.shape
+    validation.check_values(labels, keep, temperature, vocab_size)
+    if impl == "reference":
+        return reference_token_logprobs(
+            hidden, weight, labels, keep, temperature=temperature, softcap=softcap,
+            with_entropy=with_entropy,
+        )
+
+    batch_shape = labels.shape
+    num_tokens = math.prod(batch_shape)
+    h = hidden.reshape(num_tokens, hidden_size)
+    y = labels.reshape(num_tokens).astype(jnp.int32)
+    temp = jax.lax.stop_gradient(jnp.asarray(temperature, jnp.float32))
+    inv_temp = jnp.broadcast_to(1.0 / temp, batch_shape).reshape(num_tokens)
+    keep_flat = None if keep is None else keep.reshape(num_tokens)
+    rows = num_tokens if keep is None else _resolve_bucket(keep_flat, bucket, num_tokens)
+
+    cfg, padded = xla.make_config(
+        rows, hidden_size, vocab_size, softcap=softcap, with_entropy=with_entropy,
+        token_chunk=token_chunk, vocab_chunk=vocab_chunk,
+    )
+    if keep_flat is None:
+        idx = jnp.arange(padded, dtype=jnp.int32)
+    else:
+        idx = compaction.kept_indices(keep_flat, padded)
+    _, logp, ent = xla.chunked_head(
+        cfg,
+        compaction.gather_rows(h, idx, 0),
+        weight,
+        compaction.gather_rows(y, idx, 0),
+        compaction.gather_rows(inv_temp, idx, 1.0),
+    )
+    logp = compaction.scatter_rows(logp, idx, num_tokens)
+    ent = compaction.scatter_rows(ent, idx, num_tokens) if with_entropy else None
+    if keep_flat is not None and padded < num_tokens:
+        lost = compaction.overflow_mask(keep_flat, padded)
+        logp = jnp.where(lost, jnp.nan, logp)
+        ent = None if ent is None else jnp.where(lost, jnp.nan, ent)
+    return HeadOutput(
+        logp.reshape(batch_shape), None if ent is None else ent.reshape(batch_shape)
+    )

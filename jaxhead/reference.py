@@ -1,0 +1,59 @@
+"""The plain full-logits head: the test oracle and the benchmark baseline."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxhead import validation
+from jaxhead.types import HeadOutput
+
+
+def reference_token_logprobs(
+    hidden: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    keep: jax.Array | None = None,
+    *,
+    temperature=1.0,
+    softcap: float | None = None,
+    with_entropy: bool = True,
+) -> HeadOutput:
+    """Log-probs and entropy from the full ``[..., V]`` logits (what plain JAX code does).
+
+    Logits are ``hidden @ weight`` accumulated in float32 (float64 when the inputs are
+    float64, for the oracle), soft-capped (``c * tanh(u / c)``), divided by the
+    temperature, then ``log_softmax``. Same contract as ``jaxhead.token_logprobs`` (skipped
+    positions give 0 with zero gradient), but it holds the whole ``[N, V]`` logits and
+    their gradient: memory O(N V).
+
+    Args:
+      hidden: ``[..., H]``; weight: ``[H, V]``; labels: int ``[...]``; keep: bool ``[...]``.
+      temperature: scalar or ``[...]``, > 0. softcap: float > 0 or None.
+      with_entropy: also return the entropy.
+
+    Returns:
+      ``HeadOutput`` with float32 (float64 for float64 inputs) ``[...]`` arrays.
+
+    Raises:
+      ValueError / TypeError: as ``jaxhead.token_logprobs``.
+    """
+    validation.check_inputs(hidden, weight, labels, keep, temperature, softcap)
+    validation.check_values(labels, keep, temperature, weight.shape[1])
+    dtype = jnp.promote_types(jnp.float32, hidden.dtype)
+    if keep is not None:
+        hidden = jnp.where(keep[..., None], hidden, jnp.zeros((), hidden.dtype))
+    u = jnp.einsum(
+        "...h,hv->...v", hidden, weight, preferred_element_type=dtype,
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    z = u if softcap is None else softcap * jnp.tanh(u / softcap)
+    temperature = jax.lax.stop_gradient(jnp.asarray(temperature, dtype))
+    z = z / (temperature[..., None] if temperature.ndim else temperature)
+    logp_all = jax.nn.log_softmax(z, axis=-1)
+    logp = jnp.take_along_axis(logp_all, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1) if with_entropy else None
+    if keep is not None:
+        logp = jnp.where(keep, logp, 0.0)
+        ent = None if ent is None else jnp.where(keep, ent, 0.0)
+    return HeadOutput(logp, ent)
