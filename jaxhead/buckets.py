@@ -15,7 +15,7 @@ always the last rung). With the defaults ``m=128, g=1.25``:
 * worst-case padding waste: a count of ``r_k + 1`` padded to ``r_{k+1}`` wastes
   ``(r_{k+1} - r_k - 1) / r_{k+1} < 1 - 1/g + m / r_{k+1}``. Exactly, on the default ladder:
   49.6% at the first step (129 tokens in 256), 28.5% at 640 -> 896, at most 25% from 896
-  up and at most 21% from 1536 up (the last step, to ``max_size``, wastes less);
+  up and at most 21.1% from 1536 up (the last step, to ``max_size``, wastes less);
 * number of distinct sizes: 19 rungs up to N = 16384, 25 up to 65536, 31 up to 262144
   (``len(bucket_ladder(N))``): each is at most one compiled variant of the step.
 """

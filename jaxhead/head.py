@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxhead import compaction, validation, xla
 from jaxhead.buckets import bucket_size
@@ -26,9 +27,9 @@ def resolve_impl(impl: str) -> str:
     return "xla" if impl == "auto" else impl
 
 
-def _resolve_bucket(keep_flat, bucket, num_tokens: int) -> int:
-    concrete = validation.is_concrete(keep_flat)
-    count = int(jnp.sum(keep_flat)) if concrete else None
+def _resolve_bucket(keep, bucket, num_tokens: int) -> int:
+    # numpy, not jnp: inside a jit trace jnp ops on a closed-over concrete array are traced
+    count = int(np.count_nonzero(np.asarray(keep))) if validation.is_concrete(keep) else None
     if bucket is None:
         return num_tokens if count is None else bucket_size(count, num_tokens)
     if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
@@ -116,29 +117,33 @@ def token_logprobs(
     temp = jax.lax.stop_gradient(jnp.asarray(temperature, jnp.float32))
     inv_temp = jnp.broadcast_to(1.0 / temp, batch_shape).reshape(num_tokens)
     keep_flat = None if keep is None else keep.reshape(num_tokens)
-    rows = num_tokens if keep is None else _resolve_bucket(keep_flat, bucket, num_tokens)
+    rows = num_tokens if keep is None else _resolve_bucket(keep, bucket, num_tokens)
 
     cfg, padded = xla.make_config(
-        rows, hidden_size, vocab_size, softcap=softcap, with_entropy=with_entropy,
+        rows, hidden_size, vocab_size, hidden.dtype, softcap=softcap, with_entropy=with_entropy,
         token_chunk=token_chunk, vocab_chunk=vocab_chunk,
     )
-    if keep_flat is None:
-        idx = jnp.arange(padded, dtype=jnp.int32)
+    if keep_flat is None:  # every row, in order: pad to whole token chunks
+        pad = [(0, padded - num_tokens)]
+        h_c = jnp.pad(h, pad + [(0, 0)])
+        y_c, it_c = jnp.pad(y, pad), jnp.pad(inv_temp, pad, constant_values=1.0)
+        _, logp, ent = xla.chunked_head(cfg, h_c, weight, y_c, it_c)
+        logp, ent = logp[:num_tokens], ent[:num_tokens]
     else:
-        idx = compaction.kept_indices(keep_flat, padded)
-    _, logp, ent = xla.chunked_head(
-        cfg,
-        compaction.gather_rows(h, idx, 0),
-        weight,
-        compaction.gather_rows(y, idx, 0),
-        compaction.gather_rows(inv_temp, idx, 1.0),
-    )
-    logp = compaction.scatter_rows(logp, idx, num_tokens)
-    ent = compaction.scatter_rows(ent, idx, num_tokens) if with_entropy else None
-    if keep_flat is not None and padded < num_tokens:
-        lost = compaction.overflow_mask(keep_flat, padded)
-        logp = jnp.where(lost, jnp.nan, logp)
-        ent = None if ent is None else jnp.where(lost, jnp.nan, ent)
+        idx, pos = compaction.kept_indices(keep_flat, padded)
+        _, logp, ent = xla.chunked_head(
+            cfg,
+            compaction.compact(h, idx, pos),
+            weight,
+            compaction.gather_rows(y, idx, 0),
+            compaction.gather_rows(inv_temp, idx, 1.0),
+        )
+        logp, ent = compaction.expand(logp, idx, pos), compaction.expand(ent, idx, pos)
+        if padded < num_tokens:
+            lost = compaction.overflow_mask(keep_flat, padded)
+            logp = jnp.where(lost, jnp.nan, logp)
+            ent = jnp.where(lost, jnp.nan, ent)
+    ent = ent if with_entropy else None
     return HeadOutput(
         logp.reshape(batch_shape), None if ent is None else ent.reshape(batch_shape)
     )

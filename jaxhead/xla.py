@@ -15,7 +15,9 @@ Forward, per token chunk ``[T, H]``, scanning vocab chunks ``[H, C]`` (DESIGN.md
     logZ = m + log s;  logp = l_y - logZ;  entropy = log s - t / s
 
 ``t`` is kept relative to the running max so that the entropy of a peaked row does not
-cancel two large numbers. A vocab size that is not a multiple of the chunk is handled by a
+cancel two large numbers, and ``s`` is stored as ``r = s - 1`` (the max element's exact
+``exp(0) = 1`` never added): for a peaked row ``s = 1 + 0.003`` would keep only 4 digits
+of the 0.003 in float32, and ``log s`` and the entropy would lose them. A vocab size that is not a multiple of the chunk is handled by a
 last, narrower chunk: there are no padded vocab columns, so nothing adds a spurious
 ``exp(0)`` to ``s``.
 
@@ -49,8 +51,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-DEFAULT_TOKEN_CHUNK = 1024
-DEFAULT_VOCAB_CHUNK = 4096
+DEFAULT_TOKEN_CHUNK = 512
+DEFAULT_VOCAB_CHUNK = 8192
 FUSED_BACKWARD_MAX_BYTES = 256 * 2**20
 _ROW_ALIGN = 8
 
@@ -65,6 +67,10 @@ class ChunkConfig:
       token_chunk: rows per token chunk ``T``.
       vocab_chunk: columns per vocab chunk ``C``.
       fused_backward: use the single-recompute backward (see the module docstring).
+      matmul_dtype: operand dtype of the tile matmuls (accumulation is always float32):
+        the input dtype, or float32 for 16-bit inputs on a CPU without bf16 matrix units.
+      cpu_layout: materialise ``h_t^T`` before ``h_t^T @ du`` (XLA's CPU dot runs a
+        transposed-operand product at about half speed).
     """
 
     softcap: float | None
@@ -72,6 +78,18 @@ class ChunkConfig:
     token_chunk: int
     vocab_chunk: int
     fused_backward: bool
+    matmul_dtype: str = "float32"
+    cpu_layout: bool = False
+
+
+def _cpu_has_bf16_matmul() -> bool:
+    """True if this x86 CPU has AMX or AVX512-BF16 (XLA then runs bf16 dots natively)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def padded_rows(num_rows: int, token_chunk: int) -> tuple[int, int]:
@@ -94,13 +112,17 @@ def make_config(
     num_rows: int,
     hidden_size: int,
     vocab_size: int,
+    dtype,
     *,
     softcap: float | None,
     with_entropy: bool,
     token_chunk: int,
     vocab_chunk: int,
 ) -> tuple[ChunkConfig, int]:
-    """The ``ChunkConfig`` for ``num_rows`` rows, and the padded row count it needs.
+    """The ``ChunkConfig`` for ``num_rows`` rows of ``dtype``, and the padded row count.
+
+    Tile matmul operands stay in ``dtype`` except on a CPU without bf16 matrix units,
+    where 16-bit tiles are widened to float32 (faster there, and exact).
 
     Raises:
       ValueError: a chunk size below 1.
@@ -111,112 +133,97 @@ def make_config(
         )
     padded, chunk = padded_rows(num_rows, token_chunk)
     limit = max(FUSED_BACKWARD_MAX_BYTES, chunk * hidden_size * 4)
+    on_cpu = jax.default_backend() == "cpu"
+    narrow = jnp.dtype(dtype).itemsize == 2
+    upcast = narrow and on_cpu and not _cpu_has_bf16_matmul()
     cfg = ChunkConfig(
         softcap=softcap,
         with_entropy=with_entropy,
         token_chunk=chunk,
         vocab_chunk=min(vocab_chunk, vocab_size),
         fused_backward=padded * hidden_size * 4 <= limit,
+        matmul_dtype="float32" if upcast else jnp.dtype(dtype).name,
+        cpu_layout=on_cpu,
     )
     return cfg, padded
 
 
-# ----------------------------------------------------------------------------- tiles
+# ----------------------------------------------------------------------------- loops
+
+
+def _scan(body, carry, xs, pinned):
+    """``lax.scan`` whose body also receives the large loop-invariant arrays ``pinned``.
+
+    ``pinned`` (the hidden states and the head weight) travel in the carry behind an
+    ``optimization_barrier``, so XLA cannot hoist a whole-array op on them out of the loop.
+    Without it, XLA's CPU compiler, which moves bf16 through slices as float32, converts
+    all of ``w`` (2.3 GB at Qwen3 scale) before the loop instead of one chunk per step.
+    ``body(carry, x, *pinned) -> (carry, y)``.
+    """
+
+    def step(c, x):
+        c, p = c
+        p = lax.optimization_barrier(p)
+        c, y = body(c, x, *p)
+        return (c, p), y
+
+    (carry, _), ys = lax.scan(step, (carry, pinned), xs)
+    return carry, ys
+
+
+def _scan_vocab(cfg: ChunkConfig, step, carry, w, pinned=()):
+    """Apply ``carry = step(carry, w_c, offset, *pinned)`` to every vocab chunk ``w_c`` of
+    ``w`` (cast to the matmul dtype).
+
+    Full chunks run in a scan; a ragged remainder runs once more with its own (narrower,
+    static) width, so no padded vocab column exists.
+    """
+    chunk, dtype = cfg.vocab_chunk, cfg.matmul_dtype
+    n_full, tail = divmod(w.shape[1], chunk)
+
+    def body(c, i, w, *pinned):
+        w_c = lax.dynamic_slice_in_dim(w, i * chunk, chunk, axis=1).astype(dtype)
+        return step(c, w_c, i * chunk, *pinned), None
+
+    if n_full:
+        carry, _ = _scan(body, carry, jnp.arange(n_full), (w, *pinned))
+    if tail:
+        carry = step(carry, w[:, n_full * chunk :].astype(dtype), n_full * chunk, *pinned)
+    return carry
 
 
 def _matmul(a, b, dims):
     return lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
 
 
+def _chunks(chunk, *xs):
+    """``[B, ...]`` arrays as ``[B // chunk, chunk, ...]`` (scan inputs)."""
+    return tuple(x.reshape((x.shape[0] // chunk, chunk) + x.shape[1:]) for x in xs)
+
+
+def _rows(x, i, chunk, dtype=None):
+    """Rows ``[i * chunk, (i + 1) * chunk)`` of ``x``, cast to ``dtype`` if given."""
+    rows = lax.dynamic_slice_in_dim(x, i * chunk, chunk)
+    return rows if dtype is None else rows.astype(dtype)
+
+
+def _put_rows(out, i, rows_f32):
+    """``out`` with rows ``i * T ...`` replaced by ``rows_f32 [T, ...]`` cast to its dtype."""
+    chunk = rows_f32.shape[0]
+    return lax.dynamic_update_slice_in_dim(out, rows_f32.astype(out.dtype), i * chunk, 0)
+
+
+# ----------------------------------------------------------------------------- tiles
+
+
 def _logits_tile(h, w_c, inv_temp, softcap):
-    """float32 ``(l, tanh(u / c) or None)`` for one ``[T, C]`` tile."""
+    """float32 ``(l, tanh(u / c) or None)`` for one ``[T, C]`` tile (operands already in
+    the matmul dtype)."""
     u = _matmul(h, w_c, ((1,), (0,)))
     if softcap is None:
         return u * inv_temp[:, None], None
     th = jnp.tanh(u * (1.0 / softcap))
     return (softcap * th) * inv_temp[:, None], th
-
-
-def _vocab_chunks(vocab_size: int, chunk: int) -> tuple[int, int]:
-    return vocab_size // chunk, vocab_size % chunk
-
-
-def _scan_vocab(step, carry, w, chunk):
-    """Apply ``carry = step(carry, w_c, offset)`` to every vocab chunk of ``w [H, V]``.
-
-    Full chunks run in a ``lax.scan``; a ragged remainder runs once more with its own
-    (narrower, static) width, so no padded vocab column exists.
-    """
-    hidden, vocab = w.shape
-    n_full, tail = _vocab_chunks(vocab, chunk)
-
-    def body(c, i):
-        off = i * chunk
-        w_c = lax.dynamic_slice_in_dim(w, off, chunk, axis=1)
-        return step(c, w_c, off), None
-
-    if n_full:
-        carry, _ = lax.scan(body, carry, jnp.arange(n_full))
-    if tail:
-        carry = step(carry, w[:, n_full * chunk :], n_full * chunk)
-    return carry
-
-
-# ----------------------------------------------------------------------------- forward
-
-
-def _forward_chunk(cfg: ChunkConfig, h_t, w, y_t, it_t):
-    rows = h_t.shape[0]
-    f32 = jnp.float32
-    init = (
-        jnp.full((rows,), -jnp.inf, f32),  # running max m
-        jnp.zeros((rows,), f32),  # s = sum exp(l - m)
-        jnp.zeros((rows,), f32),  # t = sum exp(l - m) (l - m)
-        jnp.zeros((rows,), f32),  # label logit
-        jnp.zeros((rows,), bool),  # label seen
-    )
-
-    def step(carry, w_c, off):
-        m, s, t, zy, found = carry
-        l, _ = _logits_tile(h_t, w_c, it_t, cfg.softcap)
-        m_new = jnp.maximum(m, l.max(axis=1))
-        seen = s > 0
-        a = jnp.where(seen, jnp.exp(m - m_new), 0.0)
-        e = jnp.exp(l - m_new[:, None])
-        s_new = a * s + e.sum(axis=1)
-        if cfg.with_entropy:
-            shift = jnp.where(seen, (m - m_new) * s, 0.0)
-            t = a * (t + shift) + (e * (l - m_new[:, None])).sum(axis=1)
-        hit = (lax.broadcasted_iota(jnp.int32, l.shape, 1) + off) == y_t[:, None]
-        zy = zy + jnp.where(hit, l, 0.0).sum(axis=1)
-        found = found | hit.any(axis=1)
-        return m_new, s_new, t, zy, found
-
-    m, s, t, zy, found = _scan_vocab(step, init, w, cfg.vocab_chunk)
-    log_s = jnp.log(s)
-    logz = m + log_s
-    logp = jnp.where(found, (zy - m) - log_s, jnp.nan)
-    ent = log_s - t / s if cfg.with_entropy else jnp.zeros_like(logz)
-    return logz, logp, ent
-
-
-def _forward(cfg: ChunkConfig, h, w, labels, inv_temp):
-    rows, hidden = h.shape
-    tc = cfg.token_chunk
-    if rows == 0:
-        z = jnp.zeros((0,), jnp.float32)
-        return z, z, z
-    nt = rows // tc
-    xs = (h.reshape(nt, tc, hidden), labels.reshape(nt, tc), inv_temp.reshape(nt, tc))
-
-    def body(_, x):
-        return None, _forward_chunk(cfg, x[0], w, x[1], x[2])
-
-    _, (logz, logp, ent) = lax.scan(body, None, xs)
-    return logz.reshape(rows), logp.reshape(rows), ent.reshape(rows)
-
-
-# ----------------------------------------------------------------------------- backward
 
 
 def _dlogits_tile(cfg: ChunkConfig, h_t, w_c, off, y_t, it_t, logz_t, ent_t, g_t, e_t):
@@ -234,69 +241,124 @@ def _dlogits_tile(cfg: ChunkConfig, h_t, w_c, off, y_t, it_t, logz_t, ent_t, g_t
     return du.astype(h_t.dtype)
 
 
-def _backward_fused(cfg, res, g, e):
-    """Vocab outer, tokens inner: one recompute, float32 ``dh [B, H]`` accumulator."""
-    h, w, labels, inv_temp, logz, ent = res
-    rows, hidden = h.shape
+def _dw_tile(cfg: ChunkConfig, h_t, du):
+    """float32 ``h_t^T @ du`` ``[H, C]``."""
+    if cfg.cpu_layout:
+        return _matmul(lax.optimization_barrier(h_t.T), du, ((1,), (0,)))
+    return _matmul(h_t, du, ((0,), (0,)))
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _forward_chunk(cfg: ChunkConfig, h_t, w, y_t, it_t):
+    rows = h_t.shape[0]
+    f32 = jnp.float32
+    init = (
+        jnp.full((rows,), -jnp.inf, f32),  # running max m
+        jnp.zeros((rows,), f32),  # r = sum exp(l - m) - 1 (the max term excluded)
+        jnp.zeros((rows,), f32),  # t = sum exp(l - m) (l - m)
+        jnp.zeros((rows,), f32),  # label logit
+        jnp.zeros((rows,), bool),  # label seen
+    )
+
+    def step(carry, w_c, off):
+        m, r, t, zy, found = carry
+        l, _ = _logits_tile(h_t, w_c, it_t, cfg.softcap)
+        m_c = l.max(axis=1)
+        m_new = jnp.maximum(m, m_c)
+        moved = m_c > m  # the max element of the row is in this chunk (always at first)
+        a = jnp.where(moved, jnp.exp(m - m_new), 1.0)  # exp(-inf) = 0 at the first chunk
+        at_max = l == m_new[:, None]
+        e = jnp.exp(l - m_new[:, None])
+        rest = jnp.where(at_max, 0.0, e).sum(axis=1)
+        ties = at_max.sum(axis=1).astype(f32)  # each contributes exactly exp(0) = 1
+        # r' = a (1 + r) + ties + rest - 1 if the max moved, else r + ties + rest; the
+        # "1 +" is never formed, so r keeps full float32 precision when it is tiny
+        r_new = jnp.where(moved, (a * r + rest) + (a + (ties - 1.0)), r + (ties + rest))
+        if cfg.with_entropy:
+            d = jnp.where(moved & (a > 0), m - m_new, 0.0)  # 0 at the first chunk
+            rescaled = a * ((t + d * r) + d)  # = a (t + (m - m') (1 + r))
+            t = jnp.where(moved, rescaled, t) + (e * (l - m_new[:, None])).sum(axis=1)
+        hit = (lax.broadcasted_iota(jnp.int32, l.shape, 1) + off) == y_t[:, None]
+        zy = zy + jnp.where(hit, l, 0.0).sum(axis=1)
+        found = found | hit.any(axis=1)
+        return m_new, r_new, t, zy, found
+
+    m, r, t, zy, found = _scan_vocab(cfg, step, init, w)
+    log_s = jnp.log1p(r)
+    logz = m + log_s
+    logp = jnp.where(found, (zy - m) - log_s, jnp.nan)
+    ent = log_s - t / (1.0 + r) if cfg.with_entropy else jnp.zeros_like(logz)
+    return logz, logp, ent
+
+
+def _forward(cfg: ChunkConfig, h, w, labels, inv_temp):
     tc = cfg.token_chunk
-    nt = rows // tc
 
-    def vocab_step(carry, w_c, off):
+    def body(_, x, h, w):
+        i, y_t, it_t = x
+        return None, _forward_chunk(cfg, _rows(h, i, tc, cfg.matmul_dtype), w, y_t, it_t)
+
+    steps = jnp.arange(h.shape[0] // tc)
+    _, outs = _scan(body, None, (steps, *_chunks(tc, labels, inv_temp)), (h, w))
+    return tuple(o.reshape(labels.shape) for o in outs)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _backward_fused(cfg, xs, h, w):
+    """Vocab outer, tokens inner: one recompute, float32 ``dh [B, H]`` accumulator."""
+    tc = cfg.token_chunk
+
+    def vocab_step(carry, w_c, off, h):
         dh_acc, dw = carry
-        width = w_c.shape[1]
 
-        def token_step(inner, i):
+        def token_step(inner, x, h, w_c):
             dw_c, dh_acc = inner
-            r = i * tc
-            sl = lambda x: lax.dynamic_slice_in_dim(x, r, tc)  # noqa: E731
-            h_t = sl(h)
-            du = _dlogits_tile(
-                cfg, h_t, w_c, off, sl(labels), sl(inv_temp), sl(logz), sl(ent), sl(g), sl(e)
-            )
-            dw_c = dw_c + _matmul(h_t, du, ((0,), (0,)))
-            dh_t = sl(dh_acc) + _matmul(du, w_c, ((1,), (1,)))
-            return (dw_c, lax.dynamic_update_slice_in_dim(dh_acc, dh_t, r, 0)), None
+            i = x[0]
+            h_t = _rows(h, i, tc, cfg.matmul_dtype)
+            du = _dlogits_tile(cfg, h_t, w_c, off, *x[1:])
+            dw_c = dw_c + _dw_tile(cfg, h_t, du)
+            dh_t = _rows(dh_acc, i, tc) + _matmul(du, w_c, ((1,), (1,)))
+            return (dw_c, _put_rows(dh_acc, i, dh_t)), None
 
-        dw_c0 = jnp.zeros((hidden, width), jnp.float32)
-        (dw_c, dh_acc), _ = lax.scan(token_step, (dw_c0, dh_acc), jnp.arange(nt))
-        dw = lax.dynamic_update_slice_in_dim(dw, dw_c.astype(w.dtype), off, 1)
-        return dh_acc, dw
+        init = (jnp.zeros(w_c.shape, jnp.float32), dh_acc)
+        (dw_c, dh_acc), _ = _scan(token_step, init, xs, (h, w_c))
+        return dh_acc, lax.dynamic_update_slice_in_dim(dw, dw_c.astype(w.dtype), off, 1)
 
-    init = (jnp.zeros((rows, hidden), jnp.float32), jnp.zeros_like(w))
-    dh_acc, dw = _scan_vocab(vocab_step, init, w, cfg.vocab_chunk)
+    init = (jnp.zeros(h.shape, jnp.float32), jnp.zeros_like(w))
+    dh_acc, dw = _scan_vocab(cfg, vocab_step, init, w, (h,))
     return dh_acc.astype(h.dtype), dw
 
 
-def _backward_two_pass(cfg, res, g, e):
+def _backward_two_pass(cfg, xs, h, w):
     """Tokens outer for ``dh``, then vocab outer for ``dw``: temporaries independent of B."""
-    h, w, labels, inv_temp, logz, ent = res
-    rows, hidden = h.shape
     tc = cfg.token_chunk
-    nt = rows // tc
-    chunked = lambda x: x.reshape((nt, tc) + x.shape[1:])  # noqa: E731
-    xs = tuple(chunked(x) for x in (h, labels, inv_temp, logz, ent, g, e))
 
-    def dh_chunk(_, x):
+    def dh_chunk(dh, x, h, w):
+        h_t = _rows(h, x[0], tc, cfg.matmul_dtype)
+
         def step(acc, w_c, off):
-            du = _dlogits_tile(cfg, x[0], w_c, off, *x[1:])
+            du = _dlogits_tile(cfg, h_t, w_c, off, *x[1:])
             return acc + _matmul(du, w_c, ((1,), (1,)))
 
-        acc = _scan_vocab(step, jnp.zeros((tc, hidden), jnp.float32), w, cfg.vocab_chunk)
-        return None, acc.astype(h.dtype)
+        acc = _scan_vocab(cfg, step, jnp.zeros(h_t.shape, jnp.float32), w)
+        return _put_rows(dh, x[0], acc), None
 
-    _, dh = lax.scan(dh_chunk, None, xs)
+    dh, _ = _scan(dh_chunk, jnp.zeros_like(h), xs, (h, w))
 
-    def dw_step(dw, w_c, off):
-        def token_step(acc, x):
-            du = _dlogits_tile(cfg, x[0], w_c, off, *x[1:])
-            return acc + _matmul(x[0], du, ((0,), (0,))), None
+    def dw_step(dw, w_c, off, h):
+        def token_step(acc, x, h, w_c):
+            h_t = _rows(h, x[0], tc, cfg.matmul_dtype)
+            du = _dlogits_tile(cfg, h_t, w_c, off, *x[1:])
+            return acc + _dw_tile(cfg, h_t, du), None
 
-        acc0 = jnp.zeros((hidden, w_c.shape[1]), jnp.float32)
-        acc, _ = lax.scan(token_step, acc0, xs)
+        acc, _ = _scan(token_step, jnp.zeros(w_c.shape, jnp.float32), xs, (h, w_c))
         return lax.dynamic_update_slice_in_dim(dw, acc.astype(w.dtype), off, 1)
 
-    dw = _scan_vocab(dw_step, jnp.zeros_like(w), w, cfg.vocab_chunk)
-    return dh.reshape(rows, hidden), dw
+    return dh, _scan_vocab(cfg, dw_step, jnp.zeros_like(w), w, (h,))
 
 
 # ----------------------------------------------------------------------------- custom_vjp
@@ -304,21 +366,20 @@ def _backward_two_pass(cfg, res, g, e):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def chunked_head(cfg: ChunkConfig, h, w, labels, inv_temp):
-    """float32 ``(logZ, logp, entropy)``, each ``[B]``, for compacted rows.
+    """float32 ``(logZ, logp, entropy)``, each ``[B]``, for the rows of ``h``.
 
     Args:
       cfg: static settings; ``B`` must be a multiple of ``cfg.token_chunk`` (see
-        ``make_config`` / ``padded_rows``).
-      h: ``[B, H]`` hidden rows (bf16 or f32), padded rows all zero.
+        ``make_config``).
+      h: ``[B, H]`` hidden rows (bf16 or f32): the compacted kept tokens, padding rows zero.
       w: ``[H, V]`` head weight, same dtype as ``h``.
-      labels: int32 ``[B]`` in ``[0, V)``; a label outside gives ``logp = NaN``.
+      labels: int32 ``[B]`` in ``[0, V)`` (a label outside gives ``logp = NaN``).
       inv_temp: float32 ``[B]``, ``1 / temperature`` (no gradient flows to it).
 
     Returns:
       ``(logZ, logp, entropy)`` float32 ``[B]``; ``entropy`` is zeros when
-      ``cfg.with_entropy`` is false. Differentiable w.r.t. ``h`` and ``w`` through
-      ``logp`` and ``entropy`` (``logZ`` is returned for diagnostics; its cotangent is
-      ignored).
+      ``cfg.with_entropy`` is false. Differentiable w.r.t. ``h`` and ``w`` through ``logp``
+      and ``entropy`` (the cotangent of ``logZ``, returned for diagnostics, is ignored).
     """
     return _forward(cfg, h, w, labels, inv_temp)
 
@@ -330,13 +391,13 @@ def _chunked_head_fwd(cfg, h, w, labels, inv_temp):
 
 def _chunked_head_bwd(cfg, res, cts):
     _, g, e = cts
-    h, w = res[0], res[1]
-    if h.shape[0] == 0:
-        return jnp.zeros_like(h), jnp.zeros_like(w), None, None
-    g = g.astype(jnp.float32)
-    e = e.astype(jnp.float32)
+    h, w, labels, inv_temp, logz, ent = res
+    f32 = jnp.float32
+    steps = jnp.arange(h.shape[0] // cfg.token_chunk)
+    xs = (steps, *_chunks(cfg.token_chunk, labels, inv_temp, logz, ent, g.astype(f32),
+                          e.astype(f32)))
     backward = _backward_fused if cfg.fused_backward else _backward_two_pass
-    dh, dw = backward(cfg, res, g, e)
+    dh, dw = backward(cfg, xs, h, w)
     return dh, dw, None, None
 
 
