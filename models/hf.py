@@ -256,24 +256,25 @@ def load_model(path, *, dtype="bfloat16", param_dtype="float32") -> Transformer:
     tied_head = cfg.tie_word_embeddings and "lm_head.weight" in key_files
     if tied_head:
         expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
-    extra = sorted(set(key_files) - set(expected))
-    if extra:
-        raise CheckpointError(
-            f"{path}: {len(extra)} tensor(s) that config.json does not account for, e.g. "
-            f"{extra[:3]}"
-        )
     with contextlib.ExitStack() as stack:
         handles = {file: stack.enter_context(safe_open(file, framework="np"))
                    for file in sorted(set(key_files.values()))}
+        for key, shape in expected.items():
+            found = tuple(handles[key_files[key]].get_slice(key).get_shape())
+            if found != shape:
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} has shape {found}, expected {shape} from "
+                    "config.json"
+                )
+        extra = sorted(set(key_files) - set(expected))
+        if extra:
+            raise CheckpointError(
+                f"{path}: {len(extra)} tensor(s) that config.json does not account for, "
+                f"e.g. {extra[:3]}"
+            )
 
         def read(key: str) -> np.ndarray:
-            tensor = handles[key_files[key]].get_slice(key)
-            if tuple(tensor.get_shape()) != expected[key]:
-                raise CheckpointError(
-                    f"{path}: tensor {key!r} has shape {tuple(tensor.get_shape())}, expected "
-                    f"{expected[key]} from config.json"
-                )
-            return tensor[...]
+            return handles[key_files[key]].get_tensor(key)
 
         flat = []
         for p, var in params:
