@@ -289,6 +289,28 @@ def load_model(path, *, dtype="bfloat16", param_dtype="float32") -> Transformer:
     return model
 
 
+def hf_tensors(cfg: ModelConfig, params: nnx.State, dtype=None) -> dict[str, np.ndarray]:
+    """HF-named, HF-laid-out numpy tensors of a parameter state.
+
+    Args:
+      cfg: the model's config.
+      params: ``nnx.state(model, nnx.Param)``, or any state of the same structure (e.g.
+        the gradient of a loss w.r.t. the parameters).
+      dtype: cast to this dtype; default: keep each array's dtype.
+
+    Returns:
+      ``{"model.layers.0.self_attn.q_proj.weight": [N*D, H] array, ...}``; per-expert keys
+      for stacked experts; no ``lm_head.weight`` when the embedding is tied.
+    """
+    tensors = _tensor_map(cfg)
+    out = {}
+    for p, var in nnx.to_flat_state(params):
+        value = np.asarray(var[...])
+        value = value if dtype is None else value.astype(dtype)
+        out.update(zip(tensors[p].keys, tensors[p].to_hf(value)))
+    return out
+
+
 def save_model(model: Transformer, path, *, dtype=None, max_shard_bytes: int = 5 * 2**30):
     """Export ``model`` as a HF checkpoint directory transformers can load.
 
@@ -309,11 +331,7 @@ def save_model(model: Transformer, path, *, dtype=None, max_shard_bytes: int = 5
     hf_config = config_to_hf(cfg, str(dtype))
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = _tensor_map(cfg)
-    arrays = {}
-    for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        t = tensors[p]
-        arrays.update(zip(t.keys, t.to_hf(np.asarray(var[...]).astype(dtype))))
+    arrays = hf_tensors(cfg, nnx.state(model, nnx.Param), dtype)
     shards, size = [{}], 0
     for key, value in arrays.items():
         if shards[-1] and size + value.nbytes > max_shard_bytes:
