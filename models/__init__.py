@@ -1,0 +1,31 @@
+"""Qwen3 / Qwen3-MoE decoders in Flax NNX whose LM head is jaxhead.
+
+Public API:
+  ModelConfig, PRESETS, get_config   architecture + dtype policy, named presets
+  Transformer, DecoderOutput         the decoder (hidden states, KV cache, MoE aux loss)
+  KVCache, init_cache                fixed-size cache for prefill + decode steps
+  load_model, save_model, load_config, CheckpointError   HF safetensors import / export
+  logical_axes, logical_partition_specs                   parameter logical axis names
+"""
+
+from models.cache import KVCache, init_cache
+from models.config import PRESETS, ModelConfig, get_config
+from models.hf import CheckpointError, load_config, load_model, save_model
+from models.sharding import logical_axes, logical_partition_specs
+from models.transformer import DecoderOutput, Transformer
+
+__all__ = [
+    "PRESETS",
+    "CheckpointError",
+    "DecoderOutput",
+    "KVCache",
+    "ModelConfig",
+    "Transformer",
+    "get_config",
+    "init_cache",
+    "load_config",
+    "load_model",
+    "logical_axes",
+    "logical_partition_specs",
+    "save_model",
+]

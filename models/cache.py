@@ -1,0 +1,96 @@
+"""``KVCache``: fixed-size key/value cache for prefill + one-token decode steps.
+
+Each cache slot stores the key and value of one token (per layer) plus the token's
+position and segment id. Attention reads every slot and masks by segment id and position
+(see ``models.attention.attention_mask``), so rows may hold prompts of different lengths
+(right-padded with segment id 0) and slots not yet written (segment id 0) are never read.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+
+
+class KVCache(NamedTuple):
+    """Decoder KV cache (a pytree; pass it through ``jit``).
+
+    Attributes:
+      keys, values: one ``[B, L, K, D]`` array per layer, compute dtype (post-RoPE keys).
+      positions: int32 ``[B, L]`` position of the token in each slot.
+      segment_ids: int32 ``[B, L]``; 0 for padding and for slots not yet written.
+      index: int32 scalar: the next slot to write (slots ``[0, index)`` are written).
+    """
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    positions: jax.Array
+    segment_ids: jax.Array
+    index: jax.Array
+
+
+class LayerKV(NamedTuple):
+    """The view of the cache one attention layer reads and writes.
+
+    ``positions`` / ``segment_ids`` already include the tokens being written at
+    ``index``; ``keys`` / ``values`` do not yet (the layer writes them).
+    """
+
+    keys: jax.Array
+    values: jax.Array
+    positions: jax.Array
+    segment_ids: jax.Array
+    index: jax.Array
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """An empty cache of ``max_len`` slots per row.
+
+    Args:
+      cfg: model config (layers, ``num_key_value_heads``, ``head_dim``).
+      batch: B.
+      max_len: L, the prompt length plus the number of tokens to decode.
+      dtype: dtype of keys and values; default ``cfg.dtype``.
+
+    Returns:
+      ``KVCache`` of zeros with ``index = 0``.
+    """
+    dtype = cfg.dtype if dtype is None else dtype
+    shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
+    ids = jnp.zeros((batch, max_len), jnp.int32)
+    return KVCache(zeros, zeros, ids, ids, jnp.zeros((), jnp.int32))
+
+
+def write_tokens(cache: KVCache, positions: jax.Array, segment_ids: jax.Array) -> KVCache:
+    """``cache`` with the positions and segment ids ``[B, T]`` of the new tokens written at
+    slots ``[index, index + T)``; keys, values and ``index`` unchanged (each layer writes
+    its keys and values, see ``write_kv``; the decoder then moves ``index`` by T).
+
+    Out-of-range writes are clamped by ``lax.dynamic_update_slice``: size the cache for
+    the prompt plus all decode steps.
+    """
+    start = (0, cache.index)
+    pos = jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), start)
+    seg = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), start)
+    return cache._replace(positions=pos, segment_ids=seg)
+
+
+def layer_view(cache: KVCache, layer: int) -> LayerKV:
+    """What layer ``layer`` reads: its keys/values plus the shared positions/segments."""
+    return LayerKV(cache.keys[layer], cache.values[layer], cache.positions,
+                   cache.segment_ids, cache.index)
+
+
+def write_kv(kv: LayerKV, keys: jax.Array, values: jax.Array) -> LayerKV:
+    """``kv`` with ``keys`` / ``values`` ``[B, T, K, D]`` written at slots
+    ``[index, index + T)``."""
+    start = (0, kv.index, 0, 0)
+    return kv._replace(
+        keys=jax.lax.dynamic_update_slice(kv.keys, keys.astype(kv.keys.dtype), start),
+        values=jax.lax.dynamic_update_slice(kv.values, values.astype(kv.values.dtype), start),
+    )

@@ -1,0 +1,165 @@
+"""``ModelConfig``: the architecture and dtype policy of a Qwen3 / Qwen3-MoE decoder, and presets.
+
+Field names follow the Hugging Face ``Qwen3Config`` / ``Qwen3MoeConfig`` ones, so a
+``config.json`` maps onto them one to one (see ``models.hf``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture and dtype policy of a Qwen3 (dense) or Qwen3-MoE decoder.
+
+    Architecture (Hugging Face names): ``vocab_size`` V, ``hidden_size`` H,
+    ``intermediate_size`` (dense SwiGLU width), ``num_hidden_layers``,
+    ``num_attention_heads`` N, ``num_key_value_heads`` K (GQA, ``N % K == 0``),
+    ``head_dim`` D (even, for RoPE), ``rope_theta``, ``rms_norm_eps``,
+    ``tie_word_embeddings``, ``max_position_embeddings`` (informational: nothing is
+    precomputed up to it).
+
+    Mixture of experts (all ignored when ``num_experts == 0``, the dense Qwen3):
+    ``num_experts`` E, ``num_experts_per_tok`` (top-k), ``moe_intermediate_size``,
+    ``norm_topk_prob`` (renormalise the top-k router probabilities to sum to 1),
+    ``decoder_sparse_step`` and ``mlp_only_layers`` (layer ``i`` is sparse iff
+    ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0``),
+    ``router_aux_loss_coef`` (weight a trainer may give the load-balancing loss).
+
+    Head: ``final_logit_softcapping`` (Gemma 2 style ``c * tanh(z / c)`` on the logits,
+    forwarded to jaxhead) or None.
+
+    dtype policy: ``param_dtype`` (float32 or bfloat16) stores the parameters; ``dtype``
+    (default bfloat16) is the compute dtype of matmuls and activations. RMSNorm, RoPE,
+    the attention softmax and the router softmax always run in float32, and the head
+    accumulates in float32. Both accept a dtype or its name and are stored as
+    ``jnp.dtype``.
+
+    Raises:
+      ValueError: inconsistent sizes (heads not divisible, odd head_dim, top-k larger than
+        the number of experts, non-positive sizes, an unknown dtype, ...).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
+    final_logit_softcapping: float | None = None
+    dtype: jnp.dtype | str = "bfloat16"
+    param_dtype: jnp.dtype | str = "float32"
+
+    def __post_init__(self):
+        set_ = object.__setattr__
+        for name in ("dtype", "param_dtype"):
+            value = jnp.dtype(getattr(self, name))
+            if value not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+                raise ValueError(f"{name} must be float32 or bfloat16, got {value}")
+            set_(self, name, value)
+        set_(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "decoder_sparse_step")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        dense = [i for i in range(self.num_hidden_layers) if not self.is_moe_layer(i)]
+        if dense and self.intermediate_size <= 0:
+            raise ValueError(f"dense MLP layers {dense} need intermediate_size > 0")
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                f"[1, num_experts={self.num_experts}]"
+            )
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            raise ValueError("an MoE config needs moe_intermediate_size > 0")
+        cap = self.final_logit_softcapping
+        if cap is not None and cap <= 0:
+            raise ValueError(f"final_logit_softcapping must be > 0 or None, got {cap}")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer has a sparse MoE block (Qwen3-MoE)."""
+        return any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) uses the sparse MoE block instead of the MLP."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    def replace(self, **changes) -> ModelConfig:
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+_QWEN3_COMMON = {"vocab_size": 151936, "head_dim": 128, "rope_theta": 1_000_000.0,
+                     "rms_norm_eps": 1e-6, "max_position_embeddings": 40960}
+
+PRESETS: dict[str, ModelConfig] = {
+    "qwen3-0.6b": ModelConfig(
+        **_QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True,
+    ),
+    "qwen3-1.7b": ModelConfig(
+        **_QWEN3_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True,
+    ),
+    "qwen3-30b-a3b": ModelConfig(
+        **_QWEN3_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
+    "tiny": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10_000.0,
+        tie_word_embeddings=True, max_position_embeddings=512,
+    ),
+    "tiny-moe": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10_000.0,
+        max_position_embeddings=512, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    ),
+}
+
+
+def get_config(name: str, **overrides) -> ModelConfig:
+    """The preset ``name`` (a key of ``PRESETS``) with ``overrides`` applied.
+
+    Example: ``get_config("qwen3-0.6b", dtype="bfloat16", param_dtype="float32")``.
+
+    Raises:
+      KeyError: unknown preset (the known ones are listed).
+      ValueError / TypeError: invalid overrides (see ``ModelConfig``).
+    """
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; known presets: {sorted(PRESETS)}")
+    return PRESETS[name].replace(**overrides)

@@ -1,0 +1,353 @@
+"""Hugging Face checkpoints: load a local ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``
+directory into a ``Transformer`` and export one back (``config.json`` + safetensors).
+
+Tensor layout: HF linear weights are ``[out, in]``; ours are ``[in..., out...]`` with the
+head dimensions split (``q_proj`` ``[H, N, D]``, ``o_proj`` ``[N, D, H]``) and MoE
+experts stacked on a leading ``[E]`` axis (HF stores ``mlp.experts.{e}.*`` per expert).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from models.config import ModelConfig
+from models.transformer import Transformer
+
+#: Supported ``architectures[0]`` of ``config.json`` and their ``model_type``.
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: unsupported architecture or feature, missing,
+    unexpected or mis-shaped tensor (the message names the key and both shapes)."""
+
+
+def config_from_hf(hf: dict, *, dtype="bfloat16", param_dtype="float32") -> ModelConfig:
+    """``ModelConfig`` from the dict of a Qwen3 / Qwen3-MoE ``config.json``.
+
+    Reads ``rope_theta`` from ``rope_parameters`` (transformers >= 5) or the top level,
+    and ``num_experts`` or ``num_local_experts``.
+
+    Args:
+      hf: the parsed ``config.json``.
+      dtype, param_dtype: the dtype policy (see ``ModelConfig``).
+
+    Raises:
+      CheckpointError: an architecture other than ``ARCHITECTURES``, or a feature the
+        decoder does not implement (attention bias, sliding window, non-default RoPE
+        scaling, an activation other than SiLU).
+    """
+    archs = hf.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in ARCHITECTURES or hf.get("model_type") != ARCHITECTURES[arch]:
+        raise CheckpointError(
+            f"unsupported architecture {arch!r} (model_type {hf.get('model_type')!r}); "
+            f"supported: {', '.join(f'{a} ({t})' for a, t in ARCHITECTURES.items())}"
+        )
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    unsupported = {
+        "attention_bias": hf.get("attention_bias", False),
+        "use_sliding_window": hf.get("use_sliding_window", False),
+        "rope_type": rope_type != "default" and rope_type,
+        "hidden_act": hf.get("hidden_act", "silu") != "silu" and hf["hidden_act"],
+    }
+    for name, value in unsupported.items():
+        if value:
+            raise CheckpointError(f"{arch}: unsupported setting {name}={value!r}")
+    heads = hf["num_attention_heads"]
+    fields = {
+        "vocab_size": hf["vocab_size"],
+        "hidden_size": hf["hidden_size"],
+        "intermediate_size": hf.get("intermediate_size", 0),
+        "num_hidden_layers": hf["num_hidden_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
+        "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "tie_word_embeddings": hf.get("tie_word_embeddings", False),
+        "max_position_embeddings": hf.get("max_position_embeddings", 40960),
+        "dtype": dtype,
+        "param_dtype": param_dtype,
+    }
+    if arch == "Qwen3MoeForCausalLM":
+        fields.update(
+            num_experts=hf.get("num_experts", hf.get("num_local_experts")),
+            num_experts_per_tok=hf["num_experts_per_tok"],
+            moe_intermediate_size=hf["moe_intermediate_size"],
+            norm_topk_prob=hf.get("norm_topk_prob", False),
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+        )
+    return ModelConfig(**fields)
+
+
+def config_to_hf(cfg: ModelConfig, torch_dtype: str) -> dict:
+    """The ``config.json`` dict transformers reads for ``cfg``.
+
+    Raises:
+      CheckpointError: ``cfg.final_logit_softcapping`` is set (Qwen3 has no soft-cap: the
+        export would not reproduce the model).
+    """
+    if cfg.final_logit_softcapping is not None:
+        raise CheckpointError("Qwen3 checkpoints have no final-logit soft-cap; cannot export "
+                              f"final_logit_softcapping={cfg.final_logit_softcapping}")
+    arch = "Qwen3MoeForCausalLM" if cfg.num_experts else "Qwen3ForCausalLM"
+    hf = {
+        "architectures": [arch], "model_type": ARCHITECTURES[arch], "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": False,
+        "use_sliding_window": False, "torch_dtype": torch_dtype,
+    }
+    if cfg.num_experts:
+        hf.update(
+            num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=cfg.decoder_sparse_step,
+            mlp_only_layers=list(cfg.mlp_only_layers),
+            router_aux_loss_coef=cfg.router_aux_loss_coef,
+        )
+    return hf
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """How one of our parameters is stored: HF key(s), and for kernels how many leading
+    axes of ours are input axes (HF stores ``[prod(out), prod(in)]``). Several keys are
+    stacked on our leading (expert) axis."""
+
+    keys: tuple[str, ...]
+    n_in: int | None = None
+    stacked: bool = False
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        inner = shape[1:] if self.stacked else shape
+        if self.n_in is None:
+            return tuple(inner)
+        return (math.prod(inner[self.n_in:]), math.prod(inner[:self.n_in]))
+
+    def to_ours(self, arrays: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+        inner = shape[1:] if self.stacked else shape
+        one = [a if self.n_in is None else a.T.reshape(inner) for a in arrays]
+        return np.stack(one) if self.stacked else one[0]
+
+    def to_hf(self, value: np.ndarray) -> list[np.ndarray]:
+        parts = list(value) if self.stacked else [value]
+        if self.n_in is not None:
+            parts = [p.reshape(math.prod(p.shape[:self.n_in]), -1).T for p in parts]
+        return [np.ascontiguousarray(p) for p in parts]
+
+
+def _tensor_map(cfg: ModelConfig) -> dict[tuple, _Tensor]:
+    """Our parameter path (as in ``nnx.to_flat_state``) -> its HF storage."""
+    out = {
+        ("embed_tokens", "embedding"): _Tensor(("model.embed_tokens.weight",)),
+        ("norm", "scale"): _Tensor(("model.norm.weight",)),
+    }
+    if not cfg.tie_word_embeddings:
+        out[("lm_head", "kernel")] = _Tensor(("lm_head.weight",), n_in=1)
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[("layers", i, norm, "scale")] = _Tensor((f"{pre}{norm}.weight",))
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            n_in = 2 if proj == "o_proj" else 1
+            out[("layers", i, "self_attn", proj)] = _Tensor(
+                (f"{pre}self_attn.{proj}.weight",), n_in=n_in)
+        for norm in ("q_norm", "k_norm"):
+            out[("layers", i, "self_attn", norm, "scale")] = _Tensor(
+                (f"{pre}self_attn.{norm}.weight",))
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            if cfg.is_moe_layer(i):
+                keys = tuple(f"{pre}mlp.experts.{e}.{proj}.weight"
+                             for e in range(cfg.num_experts))
+                out[("layers", i, "mlp", proj)] = _Tensor(keys, n_in=1, stacked=True)
+            else:
+                out[("layers", i, "mlp", proj)] = _Tensor((f"{pre}mlp.{proj}.weight",), n_in=1)
+        if cfg.is_moe_layer(i):
+            out[("layers", i, "mlp", "router")] = _Tensor((f"{pre}mlp.gate.weight",), n_in=1)
+    return out
+
+
+def _key_files(path: Path) -> dict[str, Path]:
+    """Tensor key -> safetensors file, from the index or from the files' headers."""
+    index = path / INDEX_FILE
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {key: path / name for key, name in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files and no {INDEX_FILE}")
+    out = {}
+    for file in files:
+        with safe_open(file, framework="np") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                if key in out:
+                    raise CheckpointError(f"tensor {key!r} is in both {out[key]} and {file}")
+                out[key] = file
+    return out
+
+
+def load_config(path, *, dtype="bfloat16", param_dtype="float32") -> ModelConfig:
+    """``config_from_hf`` of ``path/config.json``.
+
+    Raises:
+      FileNotFoundError: no ``config.json``. CheckpointError: see ``config_from_hf``.
+    """
+    hf = json.loads((Path(path) / "config.json").read_text())
+    return config_from_hf(hf, dtype=dtype, param_dtype=param_dtype)
+
+
+def load_model(path, *, dtype="bfloat16", param_dtype="float32") -> Transformer:
+    """A ``Transformer`` with the weights of a local HF checkpoint directory.
+
+    The directory holds ``config.json`` and either ``model.safetensors``, several
+    ``*.safetensors``, or shards listed by ``model.safetensors.index.json``. Tensors of
+    any float dtype are converted to ``param_dtype`` (bfloat16 rounds to nearest even).
+    Parameters are never randomly initialised (the model is built abstractly, then
+    filled).
+
+    Args:
+      path: the checkpoint directory.
+      dtype: compute dtype; param_dtype: parameter dtype (float32 or bfloat16 each).
+
+    Returns:
+      ``Transformer`` on the default device.
+
+    Raises:
+      CheckpointError: unsupported architecture / setting; a tensor the config requires
+        is missing (key and expected shape named); a tensor's shape disagrees with the
+        config (key, expected and found shapes named); tensors the model does not use;
+        ``lm_head.weight`` present in a tied checkpoint but different from the embedding.
+      FileNotFoundError: no ``config.json``.
+    """
+    path = Path(path)
+    cfg = load_config(path, dtype=dtype, param_dtype=param_dtype)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    params = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    tensors = _tensor_map(cfg)
+    expected = {key: t.hf_shape(var.shape) for p, var in params
+                for t in [tensors[p]] for key in t.keys}
+    key_files = _key_files(path)
+    missing = [key for key in expected if key not in key_files]
+    if missing:
+        raise CheckpointError(
+            f"{path}: missing tensor {missing[0]!r} (expected shape {expected[missing[0]]} "
+            f"from config.json); {len(missing)} missing in all"
+        )
+    tied_head = cfg.tie_word_embeddings and "lm_head.weight" in key_files
+    if tied_head:
+        expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    with contextlib.ExitStack() as stack:
+        handles = {file: stack.enter_context(safe_open(file, framework="np"))
+                   for file in sorted(set(key_files.values()))}
+        for key, shape in expected.items():
+            found = tuple(handles[key_files[key]].get_slice(key).get_shape())
+            if found != shape:
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} has shape {found}, expected {shape} from "
+                    "config.json"
+                )
+        extra = sorted(set(key_files) - set(expected))
+        if extra:
+            raise CheckpointError(
+                f"{path}: {len(extra)} tensor(s) that config.json does not account for, "
+                f"e.g. {extra[:3]}"
+            )
+
+        def read(key: str) -> np.ndarray:
+            return handles[key_files[key]].get_tensor(key)
+
+        flat = []
+        for p, var in params:
+            t = tensors[p]
+            value = t.to_ours([read(key) for key in t.keys], var.shape)
+            flat.append((p, jnp.asarray(value.astype(cfg.param_dtype))))
+        if tied_head and not np.array_equal(read("lm_head.weight"),
+                                            read("model.embed_tokens.weight")):
+            raise CheckpointError(f"{path}: tie_word_embeddings is true but lm_head.weight "
+                                  "differs from model.embed_tokens.weight")
+    nnx.update(model, nnx.from_flat_state(flat))
+    return model
+
+
+def hf_tensors(cfg: ModelConfig, params: nnx.State, dtype=None) -> dict[str, np.ndarray]:
+    """HF-named, HF-laid-out numpy tensors of a parameter state.
+
+    Args:
+      cfg: the model's config.
+      params: ``nnx.state(model, nnx.Param)``, or any state of the same structure (e.g.
+        the gradient of a loss w.r.t. the parameters).
+      dtype: cast to this dtype; default: keep each array's dtype.
+
+    Returns:
+      ``{"model.layers.0.self_attn.q_proj.weight": [N*D, H] array, ...}``; per-expert keys
+      for stacked experts; no ``lm_head.weight`` when the embedding is tied.
+    """
+    tensors = _tensor_map(cfg)
+    out = {}
+    for p, var in nnx.to_flat_state(params):
+        value = np.asarray(var[...])
+        value = value if dtype is None else value.astype(dtype)
+        out.update(zip(tensors[p].keys, tensors[p].to_hf(value)))
+    return out
+
+
+def save_model(model: Transformer, path, *, dtype=None, max_shard_bytes: int = 5 * 2**30):
+    """Export ``model`` as a HF checkpoint directory transformers can load.
+
+    Writes ``config.json`` and ``model.safetensors``, or, above ``max_shard_bytes``,
+    ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``.
+
+    Args:
+      model: the ``Transformer``.
+      path: output directory (created if missing; existing files are overwritten).
+      dtype: tensor dtype in the files (float32 or bfloat16); default the param dtype.
+      max_shard_bytes: shard size limit (a tensor is never split).
+
+    Raises:
+      CheckpointError: a config transformers cannot express (see ``config_to_hf``).
+    """
+    cfg = model.cfg
+    dtype = jnp.dtype(cfg.param_dtype if dtype is None else dtype)
+    hf_config = config_to_hf(cfg, str(dtype))
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    arrays = hf_tensors(cfg, nnx.state(model, nnx.Param), dtype)
+    shards, size = [{}], 0
+    for key, value in arrays.items():
+        if shards[-1] and size + value.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = value
+        size += value.nbytes
+    if len(shards) == 1:
+        save_file(shards[0], path / "model.safetensors", metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, path / name, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(a.nbytes for a in arrays.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2))

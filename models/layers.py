@@ -1,0 +1,130 @@
+"""Building blocks: parameters with logical axes, RMSNorm, RoPE, the SwiGLU MLP, embeddings."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype, *,
+          in_axes: tuple[int, ...] = (0,), init=None) -> nnx.Param:
+    """An ``nnx.Param`` of ``shape`` whose logical axis names are ``axes``.
+
+    The names are metadata only (``out_sharding`` with ``eager_sharding=False``): no mesh
+    is needed; ``models.sharding.logical_partition_specs`` reads them back.
+
+    Args:
+      rngs: key source (``rngs.params()``).
+      shape: parameter shape.
+      axes: one logical axis name per dimension.
+      dtype: parameter dtype.
+      in_axes: the input (fan-in) dimensions of a kernel; an ``"expert"`` axis is a batch
+        axis of the initialiser, every other axis is an output axis.
+      init: ``init(key, shape, dtype)``; default: truncated normal with variance
+        ``1 / fan_in`` (LeCun).
+
+    Raises:
+      ValueError: ``len(axes) != len(shape)``.
+    """
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {axes} do not match shape {shape}")
+    if init is None:
+        batch = tuple(i for i, name in enumerate(axes) if name == "expert")
+        out = tuple(i for i in range(len(shape)) if i not in in_axes and i not in batch)
+        init = nnx.initializers.variance_scaling(
+            1.0, "fan_in", "truncated_normal", in_axis=in_axes, out_axis=out, batch_axis=batch
+        )
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm over the last axis, computed in float32.
+
+    ``y = x / sqrt(mean(x**2) + eps) * scale``; ``scale`` ``[dim]`` starts at ones.
+
+    Args:
+      dim: size of the normalised (last) axis.
+      axis_name: logical axis name of ``scale`` (``"embed"`` or ``"head_dim"``).
+      eps: added to the mean square.
+      dtype: output dtype (the compute dtype).
+      param_dtype: dtype of ``scale``.
+      rngs: key source (unused by the ones initialiser).
+    """
+
+    def __init__(self, dim: int, axis_name: str, *, eps: float, dtype, param_dtype,
+                 rngs: nnx.Rngs):
+        self.eps, self.dtype = eps, dtype
+        self.scale = param(rngs, (dim,), (axis_name,), param_dtype, init=nnx.initializers.ones)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x`` ``[..., dim]`` any float dtype -> ``[..., dim]`` in ``dtype``."""
+        x32 = x.astype(jnp.float32)
+        inv = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return (x32 * inv * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding, "rotate half" layout (as Qwen3 / Llama checkpoints).
+
+    Dimension pairs ``(i, i + D/2)`` rotate by ``positions * theta**(-2i/D)``; angles,
+    sin and cos are computed in float32.
+
+    Args:
+      x: ``[B, T, heads, D]``, D even.
+      positions: int ``[B, T]`` position of each token within its own sequence.
+      theta: RoPE base (``rope_theta`` of the checkpoint).
+
+    Returns:
+      ``[B, T, heads, D]`` in the dtype of ``x``.
+    """
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, 2 * half, 2, dtype=jnp.float32) / (2 * half)))
+    angles = positions.astype(jnp.float32)[..., None, None] * inv_freq
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: ``down(silu(x @ gate) * (x @ up))``.
+
+    Parameters: ``gate_proj``, ``up_proj`` ``[H, I]`` (axes ``embed, mlp``) and
+    ``down_proj`` ``[I, H]`` (axes ``mlp, embed``).
+
+    Args:
+      hidden_size: H. intermediate_size: I.
+      dtype: compute dtype. param_dtype: parameter dtype. rngs: initialiser keys.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, param_dtype,
+                 rngs: nnx.Rngs):
+        self.dtype = dtype
+        h, i = hidden_size, intermediate_size
+        self.gate_proj = param(rngs, (h, i), ("embed", "mlp"), param_dtype)
+        self.up_proj = param(rngs, (h, i), ("embed", "mlp"), param_dtype)
+        self.down_proj = param(rngs, (i, h), ("mlp", "embed"), param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x`` ``[..., H]`` -> ``[..., H]`` in the compute dtype."""
+        x = x.astype(self.dtype)
+        gate = x @ self.gate_proj[...].astype(self.dtype)
+        up = x @ self.up_proj[...].astype(self.dtype)
+        return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(self.dtype)
+
+
+def embedding(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Embed:
+    """The token embedding ``[V, H]`` (axes ``vocab, embed``), an ``nnx.Embed`` so that
+    ``jaxhead.LMHead`` can tie to it. Looks up in ``cfg.param_dtype``, returns
+    ``cfg.dtype``."""
+    return nnx.Embed(
+        cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+        embedding_init=nnx.initializers.normal(1.0 / math.sqrt(cfg.hidden_size)),
+        embedding_metadata={"out_sharding": ("vocab", "embed"), "eager_sharding": False},
+        rngs=rngs,
+    )

@@ -1,0 +1,147 @@
+"""Qwen3-MoE sparse block: softmax top-k router and dropless experts (grouped matmul).
+
+Every token reaches all of its top-k experts, whatever the routing imbalance: the
+(token, expert) pairs are sorted by expert and multiplied with ``jax.lax.ragged_dot``
+(one group per expert), so there is no capacity and nothing is dropped. A token dropped
+in training but not in sampling would silently corrupt RL log-probs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.layers import param
+
+
+class RouterStats(NamedTuple):
+    """Per-layer router statistics for the load-balancing loss (float32).
+
+    Attributes:
+      assignments: ``[E]`` number of (token, expert) top-k assignments per expert.
+      probs: ``[E]`` sum over tokens of the router probability of each expert.
+      tokens: scalar number of tokens counted (padding excluded).
+    """
+
+    assignments: jax.Array
+    probs: jax.Array
+    tokens: jax.Array
+
+
+def route(logits: jax.Array, top_k: int, norm_topk_prob: bool):
+    """Softmax top-k routing.
+
+    Args:
+      logits: float32 ``[T, E]`` router logits.
+      top_k: experts per token.
+      norm_topk_prob: renormalise the selected probabilities to sum to 1.
+
+    Returns:
+      ``(probs [T, E] f32, weights [T, k] f32, experts [T, k] int32)``: full softmax,
+      combine weights and expert ids (highest probability first).
+    """
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return probs, weights, experts.astype(jnp.int32)
+
+
+def dropless_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array,
+                     up: jax.Array, down: jax.Array) -> jax.Array:
+    """``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])`` for every token, no drops.
+
+    The ``T * k`` (token, expert) pairs are sorted by expert id; each SwiGLU projection is
+    a ``ragged_dot`` whose groups are the experts' contiguous runs; results are unsorted
+    and combined in float32.
+
+    Args:
+      x: ``[T, H]`` compute dtype.
+      experts: int32 ``[T, k]`` expert ids in ``[0, E)``.
+      weights: float32 ``[T, k]`` combine weights.
+      gate, up: ``[E, H, I]``; down: ``[E, I, H]``; same dtype as ``x``.
+
+    Returns:
+      ``[T, H]`` in the dtype of ``x``.
+    """
+    num_tokens, top_k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
+    xs = x[order // top_k]
+
+    def grouped(lhs, rhs):
+        out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+        return out.astype(x.dtype)
+
+    hidden = jax.nn.silu(grouped(xs, gate)) * grouped(xs, up)
+    out = grouped(hidden, down)[jnp.argsort(order)].reshape(num_tokens, top_k, -1)
+    return jnp.einsum("tkh,tk->th", out.astype(jnp.float32), weights).astype(x.dtype)
+
+
+class MoE(nnx.Module):
+    """Sparse MoE feed-forward block of Qwen3-MoE.
+
+    Parameters: ``router`` ``[H, E]`` (axes ``embed, expert``); experts stacked on the
+    leading axis: ``gate_proj`` / ``up_proj`` ``[E, H, I]`` (``expert, embed, mlp``) and
+    ``down_proj`` ``[E, I, H]`` (``expert, mlp, embed``), I = ``moe_intermediate_size``.
+
+    Args:
+      cfg: model config with ``num_experts > 0``. rngs: initialiser keys.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        h, e, i, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.param_dtype
+        self.dtype, self.top_k, self.norm_topk_prob = cfg.dtype, cfg.num_experts_per_tok, \
+            cfg.norm_topk_prob
+        self.router = param(rngs, (h, e), ("embed", "expert"), pd)
+        self.gate_proj = param(rngs, (e, h, i), ("expert", "embed", "mlp"), pd, in_axes=(1,))
+        self.up_proj = param(rngs, (e, h, i), ("expert", "embed", "mlp"), pd, in_axes=(1,))
+        self.down_proj = param(rngs, (e, i, h), ("expert", "mlp", "embed"), pd, in_axes=(1,))
+
+    def __call__(self, x: jax.Array, token_mask: jax.Array) -> tuple[jax.Array, RouterStats]:
+        """Route and run the experts.
+
+        Args:
+          x: ``[B, T, H]`` normed hidden states.
+          token_mask: bool ``[B, T]``: tokens counted in the router statistics (padding
+            is still routed and computed, but not counted).
+
+        Returns:
+          ``(y [B, T, H] compute dtype, RouterStats)``.
+        """
+        dt = self.dtype
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1]).astype(dt)
+        logits = jnp.einsum("th,he->te", flat, self.router[...].astype(dt),
+                            preferred_element_type=jnp.float32)
+        probs, weights, experts = route(logits, self.top_k, self.norm_topk_prob)
+        y = dropless_experts(flat, experts, weights, self.gate_proj[...].astype(dt),
+                             self.up_proj[...].astype(dt), self.down_proj[...].astype(dt))
+        m = token_mask.reshape(-1).astype(jnp.float32)
+        onehot = jax.nn.one_hot(experts, probs.shape[-1], dtype=jnp.float32).sum(axis=1)
+        stats = RouterStats(m @ onehot, m @ probs, jnp.sum(m))
+        return y.reshape(shape), stats
+
+
+def load_balancing_loss(stats: list[RouterStats]) -> jax.Array:
+    """Switch-Transformer auxiliary loss over all MoE layers, as transformers computes it.
+
+    With ``f_e`` = top-k assignments to expert ``e`` per counted token and ``P_e`` = mean
+    router probability of ``e``, both pooled over the layers:
+    ``loss = E * sum_e f_e * P_e`` (equal to top_k when perfectly balanced).
+
+    Args:
+      stats: one ``RouterStats`` per MoE layer (non-empty).
+
+    Returns:
+      float32 scalar.
+    """
+    assignments = sum(s.assignments for s in stats)
+    probs = sum(s.probs for s in stats)
+    tokens = jnp.maximum(sum(s.tokens for s in stats), 1.0)
+    return assignments.shape[0] * jnp.sum((assignments / tokens) * (probs / tokens))

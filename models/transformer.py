@@ -1,0 +1,188 @@
+"""``Transformer``: the Qwen3 / Qwen3-MoE decoder. It returns final-normed hidden states;
+the LM head is ``jaxhead.LMHead`` (float32 log-probs and entropy of kept tokens)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import jaxhead
+from models.attention import Attention
+from models.cache import KVCache, init_cache, layer_view, write_tokens
+from models.config import ModelConfig
+from models.layers import MLP, RMSNorm, embedding
+from models.moe import MoE, load_balancing_loss
+
+
+class DecoderOutput(NamedTuple):
+    """Result of ``Transformer.__call__``.
+
+    Attributes:
+      hidden: ``[B, T, H]`` final-normed hidden states in the compute dtype (feed them to
+        ``Transformer.token_logprobs`` / ``model.lm_head`` / ``Transformer.logits``).
+      cache: the updated ``KVCache`` (None when no cache was given).
+      aux_loss: float32 scalar load-balancing loss over the MoE layers (0 for a dense
+        model); weight it with ``cfg.router_aux_loss_coef`` if the trainer uses it.
+    """
+
+    hidden: jax.Array
+    cache: KVCache | None
+    aux_loss: jax.Array
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` where the MLP is
+    the SwiGLU ``MLP`` or, on sparse layers (``cfg.is_moe_layer(layer)``), the ``MoE``.
+
+    Args:
+      cfg: model config. layer: 0-based index. rngs: initialiser keys.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        norm = {"eps": cfg.rms_norm_eps, "dtype": cfg.dtype, "param_dtype": cfg.param_dtype,
+                    "rngs": rngs}
+        self.input_layernorm = RMSNorm(cfg.hidden_size, "embed", **norm)
+        self.self_attn = Attention(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, "embed", **norm)
+        if cfg.is_moe_layer(layer):
+            self.mlp = MoE(cfg, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=cfg.dtype,
+                           param_dtype=cfg.param_dtype, rngs=rngs)
+
+    def __call__(self, x, positions, segment_ids, kv=None):
+        """``x`` ``[B, T, H]`` -> ``(x, kv, RouterStats | None)``; see ``Attention``."""
+        attn, kv = self.self_attn(self.input_layernorm(x), positions, segment_ids, kv)
+        x = x + attn
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoE):
+            out, stats = self.mlp(h, segment_ids != 0)
+        else:
+            out, stats = self.mlp(h), None
+        return x + out, kv, stats
+
+
+class Transformer(nnx.Module):
+    """Qwen3 (dense) / Qwen3-MoE decoder with a jaxhead LM head.
+
+    Attributes (parameter tree, Hugging Face-like names): ``embed_tokens`` (``nnx.Embed``
+    ``[V, H]``), ``layers[i]`` (``DecoderLayer``), ``norm``, ``lm_head``
+    (``jaxhead.LMHead``: ties to ``embed_tokens`` when ``cfg.tie_word_embeddings``, else
+    owns an ``[H, V]`` kernel; soft-cap ``cfg.final_logit_softcapping``).
+
+    Args:
+      cfg: the architecture and dtype policy.
+      rngs: initialiser keys (``nnx.Rngs(seed)``).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_tokens = embedding(cfg, rngs)
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, "embed", eps=cfg.rms_norm_eps, dtype=cfg.dtype,
+                            param_dtype=cfg.param_dtype, rngs=rngs)
+        tied = self.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = jaxhead.LMHead(
+            cfg.hidden_size, cfg.vocab_size, rngs=rngs, tied_embedding=tied,
+            softcap=cfg.final_logit_softcapping, dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+        )
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
+                 cache: KVCache | None = None) -> DecoderOutput:
+        """Run the decoder.
+
+        Training / scoring (``cache=None``): rows may pack several sequences; token ``t``
+        attends to the tokens of its own segment whose position is <= its own.
+
+        Prefill / decode (``cache`` from ``init_cache``): the T new tokens are written at
+        slots ``[cache.index, cache.index + T)`` and attend to every cache slot of their
+        segment with position <= theirs; the returned cache has ``index + T``. Prefill is
+        the call with the prompt (T = prompt length, right-padded rows with segment id 0
+        on padding), a decode step the call with T = 1.
+
+        Args:
+          tokens: int ``[B, T]`` token ids in ``[0, V)``.
+          positions: int ``[B, T]``: position of each token within its own sequence
+            (``0, 1, ...`` from each segment start; for decoding, the sequence's length so
+            far).
+          segment_ids: int ``[B, T]``: a positive id per packed sequence, 0 = padding.
+          cache: optional ``KVCache``.
+
+        Returns:
+          ``DecoderOutput(hidden [B, T, H] compute dtype, cache, aux_loss)``.
+
+        Raises:
+          ValueError: ``tokens``, ``positions`` and ``segment_ids`` shapes differ or are
+            not 2-D.
+        """
+        shapes = {tuple(a.shape) for a in (tokens, positions, segment_ids)}
+        if len(shapes) != 1 or len(tokens.shape) != 2:
+            raise ValueError(
+                f"tokens, positions, segment_ids must share one [B, T] shape, got "
+                f"{tokens.shape}, {positions.shape}, {segment_ids.shape}"
+            )
+        if cache is not None:
+            cache = write_tokens(cache, positions, segment_ids)
+        x = self.embed_tokens(tokens)
+        keys, values, stats = [], [], []
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else layer_view(cache, i)
+            x, kv, layer_stats = layer(x, positions, segment_ids, kv)
+            if kv is not None:
+                keys.append(kv.keys)
+                values.append(kv.values)
+            if layer_stats is not None:
+                stats.append(layer_stats)
+        if cache is not None:
+            cache = cache._replace(keys=tuple(keys), values=tuple(values),
+                                   index=cache.index + tokens.shape[1])
+        aux = load_balancing_loss(stats) if stats else jnp.zeros((), jnp.float32)
+        return DecoderOutput(self.norm(x), cache, aux)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty ``KVCache`` of ``max_len`` slots per row (``models.cache.init_cache``)."""
+        return init_cache(self.cfg, batch, max_len)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Full float32 logits ``[..., V]`` of ``hidden`` ``[..., H]`` (soft-capped, for
+        sampling and debugging; training reads ``token_logprobs``)."""
+        return self.lm_head.logits(hidden)
+
+    def token_logprobs(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        labels: jax.Array,
+        keep: jax.Array | None = None,
+        *,
+        temperature=1.0,
+        with_entropy: bool = True,
+        bucket: int | None = None,
+    ) -> tuple[jaxhead.HeadOutput, jax.Array]:
+        """Decoder forward, then the jaxhead head on the kept tokens.
+
+        Args:
+          tokens, positions, segment_ids: int ``[B, S]`` (see ``__call__``).
+          labels: int ``[B, S]``: the next token of each position, e.g. from
+            ``jaxhead.next_token_labels(tokens, segment_ids)``.
+          keep: bool ``[B, S]`` tokens any loss reads (``jaxhead.keep_mask``); None: all
+            (then every label must be in ``[0, V)``).
+          temperature, with_entropy, bucket: see ``jaxhead.token_logprobs``.
+
+        Returns:
+          ``(HeadOutput(logprobs, entropy) float32 [B, S], aux_loss)``; 0 where not kept.
+
+        Raises:
+          ValueError / TypeError: as ``jaxhead.token_logprobs`` and ``__call__``.
+        """
+        out = self(tokens, positions, segment_ids)
+        head = self.lm_head(out.hidden, labels, keep, temperature=temperature,
+                            with_entropy=with_entropy, bucket=bucket)
+        return head, out.aux_loss
