@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_check.py             # N=16384, H=4096, V=151936 bf16 on one GPU
     python benchmarks/gpu_check.py --dry-run   # CPU, Pallas interpret mode, tiny sizes
+    python benchmarks/gpu_check.py --triton-blocks 128,128,64,8,3   # other Triton tiles
 
 Runs forward + backward (``jax.value_and_grad`` of an RL-like loss that reads log-probs and
 entropy) for three implementations and prints one table:
@@ -35,6 +36,7 @@ import numpy as np
 
 import jaxhead
 from jaxhead import pallas_mode
+from jaxhead.pallas_triton import TritonBlocks
 
 FULL = dict(n=16384, hidden=4096, vocab=151936, iters=5, matmul=8192)
 DRY = dict(n=64, hidden=64, vocab=500, iters=1, matmul=128)
@@ -53,14 +55,15 @@ def _inputs(n: int, hidden: int, vocab: int):
     return h, w, labels, temp, adv
 
 
-def _step(impl: str, labels, temp, adv):
+def _step(impl: str, labels, temp, adv, blocks):
     """jitted ``(h, w) -> ((loss, (logp, ent)), (dh, dw))`` for ``impl``."""
 
     def loss(h, w):
         if impl == "reference":
             out = jaxhead.reference_token_logprobs(h, w, labels, temperature=temp)
         else:
-            out = jaxhead.token_logprobs(h, w, labels, temperature=temp, impl=impl)
+            kw = dict(blocks=blocks) if impl == "pallas_triton" else {}
+            out = jaxhead.token_logprobs(h, w, labels, temperature=temp, impl=impl, **kw)
         value = jnp.mean(adv * out.logprobs) + 0.01 * jnp.mean(out.entropy)
         return value, (out.logprobs, out.entropy)
 
@@ -102,34 +105,38 @@ def _max_diff(a, b) -> float:
     return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
 
-def run(n: int, hidden: int, vocab: int, iters: int, matmul: int) -> list[dict]:
-    """Rows of the table (one per implementation)."""
+def run(n: int, hidden: int, vocab: int, iters: int, matmul: int, blocks=None) -> list[dict]:
+    """Rows of the table (one per implementation); ``blocks``: Triton tiles (None: the
+    defaults of ``jaxhead.pallas_triton``)."""
     h, w, labels, temp, adv = _inputs(n, hidden, vocab)
     peak_rate = matmul_rate(matmul, iters)
     useful = 6 * n * hidden * vocab
     rows, outs = [], {}
     for impl in IMPLS:
-        step = _step(impl, labels, temp, adv)
-        t0 = time.perf_counter()
-        compiled = step.lower(h, w).compile()
-        compile_s = time.perf_counter() - t0
-        seconds, out = _time(compiled, h, w, iters=iters)
+        row = dict(impl=impl, matmul_tflops=peak_rate / 1e12)
+        rows.append(row)
+        try:
+            step = _step(impl, labels, temp, adv, blocks)
+            t0 = time.perf_counter()
+            compiled = step.lower(h, w).compile()
+            row["compile_s"] = time.perf_counter() - t0
+            seconds, out = _time(compiled, h, w, iters=iters)
+        except Exception as err:  # report the failure in the table, keep the other rows
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            continue
         (_, (logp, ent)), (dh, dw) = out
         outs[impl] = (logp, ent, dh, dw)
-        rows.append(
-            dict(
-                impl=impl, ms=1e3 * seconds, compile_s=compile_s,
-                tflops=useful / seconds / 1e12, peak_share=useful / seconds / peak_rate,
-                peak_gib=_peak_bytes(compiled) / 2**30,
-            )
+        row.update(
+            ms=1e3 * seconds, tflops=useful / seconds / 1e12,
+            peak_share=useful / seconds / peak_rate, peak_gib=_peak_bytes(compiled) / 2**30,
+            finite=all(bool(jnp.all(jnp.isfinite(x))) for x in outs[impl]),
         )
-    base = outs["xla"]
+    base = outs.get("xla")
     for row in rows:
-        diffs = [_max_diff(a, b) for a, b in zip(outs[row["impl"]], base)]
+        diffs = [np.nan] * 4
+        if base is not None and row["impl"] in outs:
+            diffs = [_max_diff(a, b) for a, b in zip(outs[row["impl"]], base)]
         row.update(zip(("d_logp", "d_ent", "d_dh", "d_dw"), diffs))
-        row["finite"] = all(bool(jnp.all(jnp.isfinite(x))) for x in outs[row["impl"]])
-    for row in rows:
-        row["matmul_tflops"] = peak_rate / 1e12
     return rows
 
 
@@ -140,6 +147,9 @@ def format_table(rows: list[dict]) -> str:
     )
     lines = [header, "-" * len(header)]
     for r in rows:
+        if "error" in r:
+            lines.append(f"{r['impl']:<14}FAILED {r['error']}")
+            continue
         lines.append(
             f"{r['impl']:<14}{r['ms']:>10.2f}{r['tflops']:>10.2f}{100 * r['peak_share']:>8.1f}%"
             f"{r['peak_gib']:>10.3f}{r['compile_s']:>11.1f}{r['d_logp']:>10.2e}"
@@ -156,6 +166,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--vocab", type=int)
     parser.add_argument("--iters", type=int)
+    parser.add_argument("--triton-blocks", metavar="T,C,K,WARPS,STAGES",
+                        help="Triton tiles to try instead of the defaults, e.g. 128,128,64,8,3")
     args = parser.parse_args(argv)
     sizes = dict(DRY if args.dry_run else FULL)
     for key in ("n", "hidden", "vocab", "iters"):
@@ -165,10 +177,14 @@ def main(argv=None) -> int:
         print(f"needs a GPU (default backend: {jax.default_backend()}); try --dry-run",
               file=sys.stderr)
         return 2
+    blocks = None
+    if args.triton_blocks:
+        t, c, k, warps, stages = (int(x) for x in args.triton_blocks.split(","))
+        blocks = TritonBlocks(t, c, k, num_warps=warps, num_stages=stages)
     t0 = time.perf_counter()
     mode = "interpret" if args.dry_run else None
     with pallas_mode.interpret(mode):
-        rows = run(**sizes)
+        rows = run(**sizes, blocks=blocks)
     device = jax.devices()[0]
     print(f"jaxhead gpu_check: {device.device_kind} ({jax.default_backend()}), jax "
           f"{jax.__version__}, N={sizes['n']} H={sizes['hidden']} V={sizes['vocab']} bf16, "
@@ -179,7 +195,7 @@ def main(argv=None) -> int:
           f"differences are max |impl - xla|")
     print(format_table(rows))
     print(f"elapsed {time.perf_counter() - t0:.1f} s")
-    ok = all(r["finite"] for r in rows)
+    ok = all("error" not in r and r["finite"] for r in rows)
     return 0 if ok else 1
 
 

@@ -12,10 +12,11 @@ forward kernel, grid ``(nt, S)``
   through shared memory, ``num_stages`` deep), then folds it into per-row running
   ``m, s, t, label logit`` (float32 ``[T]`` registers). Outputs those four per range,
   float32 ``[S, B]``; XLA merges the ranges (``kernel_math.combine_stats``). FLOPs
-  ``2 B H V`` + ~10 ``B V``, ``B V`` exp (+ ``B V`` tanh with a soft-cap). Bytes read:
-  ``w`` once per token tile that runs at the same time as another on a different range
-  (consecutive programs share the vocab range, so ``w`` tiles are mostly L2 hits) and the
-  ``[T, H]`` ``h`` panel once per vocab tile (``nv B H b`` through L2); written ``16 S B``.
+  ``2 B H V`` + ~10 ``B V``, ``B V`` exp (+ ``B V`` tanh with a soft-cap). Global-memory
+  reads (``b`` bytes per element): all of ``w`` once per token tile, ``nt H V b`` (programs
+  with consecutive ids walk the same vocab range in step, so most are L2 hits), and each
+  ``[T, H]`` ``h`` panel once per vocab tile, ``nv B H b``; written ``16 S B``. Nothing of
+  size ``B x V`` is ever written.
 
 backward
   On a GPU the float32 ``[T, H]`` (``d hidden``) or ``[H, C]`` (``d W``) accumulator of a
