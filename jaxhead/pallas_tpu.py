@@ -159,7 +159,8 @@ def make_config(
     Raises:
       TypeError: ``blocks`` of another kernel's type.
       KernelUnsupported: not on a TPU and not interpreting, a dtype other than bf16 /
-        float32, or ``H`` too large for any tile to fit in VMEM.
+        float32, ``H`` too large for any tile to fit in VMEM, or given ``blocks`` that
+        exceed it.
       ValueError: ``blocks`` with a misaligned size.
     """
     mode = pallas_mode.interpret_mode()
@@ -194,6 +195,11 @@ def make_config(
     tokens = math.ceil(math.ceil(max(num_rows, 1) / n_tiles) / align) * align
     vocab = vocab_size if vocab_size <= blocks.block_vocab else blocks.block_vocab
     need = vmem_bytes(tokens, vocab, hidden_size, dtype.itemsize)
+    if need > 0.9 * capacity:
+        raise pallas_mode.KernelUnsupported(
+            f"pallas_tpu: tiles {tokens} x {vocab} need ~{need} bytes of VMEM, more than 90% "
+            f"of the {capacity} available"
+        )
     cfg = TpuConfig(
         softcap=softcap,
         with_entropy=with_entropy,

@@ -148,6 +148,9 @@ def test_config_errors():
         with pytest.raises(pallas_mode.KernelUnsupported, match="VMEM"):
             pallas_tpu.make_config(8, 2**22, 256, softcap=None, with_entropy=True,
                                    dtype=jnp.float32)
+        with pytest.raises(pallas_mode.KernelUnsupported, match="VMEM"):
+            pallas_tpu.make_config(4096, 8192, 2**16, softcap=None, with_entropy=True,
+                                   dtype=jnp.float32, blocks=pallas_tpu.TpuBlocks(2048, 2048))
 
 
 def test_rows_are_fitted_to_the_tiles():
