@@ -38,8 +38,8 @@ import jaxhead
 from jaxhead import pallas_mode
 from jaxhead.pallas_triton import TritonBlocks
 
-FULL = dict(n=16384, hidden=4096, vocab=151936, iters=5, matmul=8192)
-DRY = dict(n=64, hidden=64, vocab=500, iters=1, matmul=128)
+FULL = {"n": 16384, "hidden": 4096, "vocab": 151936, "iters": 5, "matmul": 8192}
+DRY = {"n": 64, "hidden": 64, "vocab": 500, "iters": 1, "matmul": 128}
 IMPLS = ("reference", "xla", "pallas_triton")
 
 
@@ -62,7 +62,7 @@ def _step(impl: str, labels, temp, adv, blocks):
         if impl == "reference":
             out = jaxhead.reference_token_logprobs(h, w, labels, temperature=temp)
         else:
-            kw = dict(blocks=blocks) if impl == "pallas_triton" else {}
+            kw = {"blocks": blocks} if impl == "pallas_triton" else {}
             out = jaxhead.token_logprobs(h, w, labels, temperature=temp, impl=impl, **kw)
         value = jnp.mean(adv * out.logprobs) + 0.01 * jnp.mean(out.entropy)
         return value, (out.logprobs, out.entropy)
@@ -113,7 +113,7 @@ def run(n: int, hidden: int, vocab: int, iters: int, matmul: int, blocks=None) -
     useful = 6 * n * hidden * vocab
     rows, outs = [], {}
     for impl in IMPLS:
-        row = dict(impl=impl, matmul_tflops=peak_rate / 1e12)
+        row = {"impl": impl, "matmul_tflops": peak_rate / 1e12}
         rows.append(row)
         try:
             step = _step(impl, labels, temp, adv, blocks)
@@ -121,7 +121,7 @@ def run(n: int, hidden: int, vocab: int, iters: int, matmul: int, blocks=None) -
             compiled = step.lower(h, w).compile()
             row["compile_s"] = time.perf_counter() - t0
             seconds, out = _time(compiled, h, w, iters=iters)
-        except Exception as err:  # report the failure in the table, keep the other rows
+        except Exception as err:  # noqa: BLE001 - report it in the table, keep the other rows
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
             continue
         (_, (logp, ent)), (dh, dw) = out
@@ -153,7 +153,7 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['impl']:<14}{r['ms']:>10.2f}{r['tflops']:>10.2f}{100 * r['peak_share']:>8.1f}%"
             f"{r['peak_gib']:>10.3f}{r['compile_s']:>11.1f}{r['d_logp']:>10.2e}"
-            f"{r['d_ent']:>10.2e}{r['d_dh']:>10.2e}{r['d_dw']:>10.2e}{str(r['finite']):>8}"
+            f"{r['d_ent']:>10.2e}{r['d_dh']:>10.2e}{r['d_dw']:>10.2e}{r['finite']!s:>8}"
         )
     return "\n".join(lines)
 

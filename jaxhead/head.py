@@ -163,8 +163,8 @@ def token_logprobs(
 
     head, cfg, padded = _configure(
         impl, requested, rows, hidden_size, vocab_size, hidden.dtype,
-        dict(softcap=softcap, with_entropy=with_entropy, token_chunk=token_chunk,
-             vocab_chunk=vocab_chunk),
+        {"softcap": softcap, "with_entropy": with_entropy, "token_chunk": token_chunk,
+         "vocab_chunk": vocab_chunk},
         blocks,
     )
     if keep_flat is None:

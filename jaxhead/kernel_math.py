@@ -38,7 +38,7 @@ def matmul(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
 
 
 def logits(u: jax.Array, inv_temp: jax.Array, softcap: float | None):
-    """``(l, tanh(u / c) or None)`` from the raw float32 tile ``u [T, C]``; ``inv_temp [T, 1]``."""
+    """``(l, tanh(u / c) or None)`` from the float32 tile ``u [T, C]``; ``inv_temp [T, 1]``."""
     if softcap is None:
         return u * inv_temp, None
     th = jnp.tanh(u * (1.0 / softcap))
@@ -46,7 +46,7 @@ def logits(u: jax.Array, inv_temp: jax.Array, softcap: float | None):
 
 
 def init_stats(rows: int) -> RowStats:
-    """Statistics before the first tile: ``m = -inf``, ``s = t = label logit = 0``, ``[rows, 1]``."""
+    """``[rows, 1]`` statistics before the first tile: ``m = -inf``, ``s = t = zy = 0``."""
     zeros = jnp.zeros((rows, 1), jnp.float32)
     return jnp.full((rows, 1), -jnp.inf, jnp.float32), zeros, zeros, zeros
 

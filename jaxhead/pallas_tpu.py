@@ -193,7 +193,7 @@ def make_config(
         )
     n_tiles = max(1, math.ceil(num_rows / blocks.block_tokens))
     tokens = math.ceil(math.ceil(max(num_rows, 1) / n_tiles) / align) * align
-    vocab = vocab_size if vocab_size <= blocks.block_vocab else blocks.block_vocab
+    vocab = min(vocab_size, blocks.block_vocab)
     need = vmem_bytes(tokens, vocab, hidden_size, dtype.itemsize)
     if need > 0.9 * capacity:
         raise pallas_mode.KernelUnsupported(
@@ -387,7 +387,7 @@ def _backward(cfg: TpuConfig, h, w, rows):
     (n, hidden), vocab = h.shape, w.shape[1]
     t, c = cfg.block_tokens, cfg.block_vocab
     nt, nv = _grid(cfg, n, vocab)
-    kw = dict(cfg=cfg, vocab=vocab, n_vocab_tiles=nv)
+    kw = {"cfg": cfg, "vocab": vocab, "n_vocab_tiles": nv}
     b = h.dtype.itemsize
     flops = 4 * n * hidden * vocab + 12 * n * vocab
     trans = n * vocab * (2 if cfg.softcap else 1)

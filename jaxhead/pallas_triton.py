@@ -264,12 +264,12 @@ def _du_kernel(
 
 
 def _params(cfg: TritonConfig):
-    return dict(
-        compiler_params=plgpu.CompilerParams(
+    return {
+        "compiler_params": plgpu.CompilerParams(
             num_warps=cfg.blocks.num_warps, num_stages=cfg.blocks.num_stages
         ),
-        interpret=cfg.interpret is not None,
-    )
+        "interpret": cfg.interpret is not None,
+    }
 
 
 def _forward(cfg: TritonConfig, h, w, labels, inv_temp):

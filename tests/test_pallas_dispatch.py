@@ -9,10 +9,10 @@ import chex
 import jax
 import jax.numpy as jnp
 import pytest
+from pallas_cases import HIDDEN, assert_matches, batch
 
 import jaxhead
 from jaxhead import head, pallas_mode, pallas_triton
-from pallas_cases import HIDDEN, assert_matches, batch
 
 
 @pytest.mark.parametrize(
@@ -91,6 +91,5 @@ def test_interpret_switch(monkeypatch):
     monkeypatch.setenv(pallas_mode.ENV_VAR, "yes")
     with pytest.raises(ValueError, match=pallas_mode.ENV_VAR):
         pallas_mode.interpret_mode()
-    with pytest.raises(ValueError, match="mode"):
-        with pallas_mode.interpret("fast"):
-            pass
+    with pytest.raises(ValueError, match="mode"), pallas_mode.interpret("fast"):
+        pass

@@ -13,12 +13,20 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from pallas_cases import (
+    CASES,
+    HIDDEN,
+    TOL,
+    Case,
+    assert_matches,
+    assert_token_logprobs_match,
+    inputs,
+    max_errors,
+    oracle_results,
+    results,
+)
 
 from jaxhead import pallas_mode, pallas_tpu
-from pallas_cases import (
-    CASES, HIDDEN, TOL, Case, assert_matches, assert_token_logprobs_match, inputs, max_errors,
-    oracle_results, results,
-)
 
 try:  # the interpreter's race-detection state is private; skip only what reads it
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _races

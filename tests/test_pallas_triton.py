@@ -11,12 +11,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxhead import pallas_mode, pallas_triton
 from pallas_cases import (
-    CASES, HIDDEN, TOL, Case, assert_matches, assert_token_logprobs_match, inputs, max_errors,
-    oracle_results, results,
+    CASES,
+    HIDDEN,
+    TOL,
+    Case,
+    assert_matches,
+    assert_token_logprobs_match,
+    inputs,
+    max_errors,
+    oracle_results,
+    results,
 )
+
+from jaxhead import pallas_mode, pallas_triton, xla
 
 # Two vocab ranges per token tile in the forward, backward chunks of 512 columns (two
 # chunks and a 488-column tail for V = 1000), K = 64: two steps over H = 128.
@@ -64,13 +72,11 @@ def test_hidden_not_a_multiple_of_the_step():
         cfg, _ = pallas_triton.make_config(
             40, 100, 300, softcap=5.0, with_entropy=True, dtype=jnp.float32, blocks=BLOCKS
         )
-    ocfg, _ = __import__("jaxhead").xla.make_config(
+    ocfg, _ = xla.make_config(
         40, 100, 300, softcap=5.0, with_entropy=True, token_chunk=40, vocab_chunk=128
     )
     got = results(lambda *a: pallas_triton.chunked_head(cfg, *a), h, w, labels, inv_temp, g, e)
-    want = results(
-        lambda *a: __import__("jaxhead").xla.chunked_head(ocfg, *a), h, w, labels, inv_temp, g, e
-    )
+    want = results(lambda *a: xla.chunked_head(ocfg, *a), h, w, labels, inv_temp, g, e)
     assert_matches(got, want, case.dtype)
 
 
