@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import logging
 import math
 
 import jax
@@ -10,21 +12,47 @@ import numpy as np
 
 from jaxhead import compaction, validation, xla
 from jaxhead.buckets import bucket_size
+from jaxhead.pallas_mode import KernelUnsupported
 from jaxhead.reference import reference_token_logprobs
 from jaxhead.types import HeadOutput
 
-IMPLS = ("auto", "xla", "reference")
+IMPLS = ("auto", "xla", "reference", "pallas_tpu", "pallas_triton")
+_KERNEL_BY_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_triton"}
+logger = logging.getLogger(__name__)
 
 
 def resolve_impl(impl: str) -> str:
-    """The implementation ``impl`` runs: ``"auto"`` becomes ``"xla"`` on every backend.
+    """The implementation ``impl`` names: ``"auto"`` picks by ``jax.default_backend()``,
+    ``"pallas_tpu"`` on TPU, ``"pallas_triton"`` on GPU, ``"xla"`` elsewhere.
 
     Raises:
       ValueError: an unknown name (the valid ones are listed).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    return "xla" if impl == "auto" else impl
+    if impl != "auto":
+        return impl
+    return _KERNEL_BY_BACKEND.get(jax.default_backend(), "xla")
+
+
+def _configure(impl, requested, rows, hidden_size, vocab_size, dtype, chunk_kw, blocks):
+    """``(head function, config, padded rows)`` for ``impl``. A kernel that cannot run the
+    call raises under an explicit ``impl``; under ``"auto"`` the XLA path takes over and
+    the reason is logged."""
+    if impl in ("pallas_tpu", "pallas_triton"):
+        try:
+            module = importlib.import_module(f"jaxhead.{impl}")
+            cfg, padded = module.make_config(
+                rows, hidden_size, vocab_size, dtype=dtype, blocks=blocks,
+                softcap=chunk_kw["softcap"], with_entropy=chunk_kw["with_entropy"],
+            )
+            return module.chunked_head, cfg, padded
+        except (ImportError, KernelUnsupported) as err:
+            if requested != "auto":
+                raise
+            logger.warning("impl='auto': %s cannot run this call (%s); using 'xla'", impl, err)
+    cfg, padded = xla.make_config(rows, hidden_size, vocab_size, dtype, **chunk_kw)
+    return xla.chunked_head, cfg, padded
 
 
 def _resolve_bucket(keep, bucket, num_tokens: int) -> int:
@@ -55,6 +83,7 @@ def token_logprobs(
     impl: str = "auto",
     token_chunk: int = xla.DEFAULT_TOKEN_CHUNK,
     vocab_chunk: int = xla.DEFAULT_VOCAB_CHUNK,
+    blocks=None,
 ) -> HeadOutput:
     """float32 ``log p(label)`` and entropy of the kept tokens, without ``[N, V]`` logits.
 
@@ -63,8 +92,9 @@ def token_logprobs(
     ``u = hidden @ weight`` is accumulated in float32. Then ``logprobs = l_label - logsumexp(l)``
     and ``entropy = -sum_v p_v log p_v`` (nats). Kept tokens are gathered into a padded
     bucket of static size, the vocabulary is scanned in chunks with an online log-sum-exp,
-    and the backward pass recomputes each logit tile (see ``jaxhead.xla``): memory is
-    ``O(bucket * H + tile)``, never ``O(N * V)``.
+    and the backward pass recomputes each logit tile (see ``jaxhead.xla``; the Pallas
+    kernels keep each tile in VMEM / registers): memory is ``O(bucket * H + tile)``, never
+    ``O(N * V)``.
 
     Args:
       hidden: ``[..., H]`` bf16 / f16 / f32 final hidden states (after the final norm).
@@ -79,9 +109,20 @@ def token_logprobs(
       bucket: static number of rows the kept tokens are compacted into. None: with a
         concrete ``keep``, ``bucket_size(keep.sum(), N)`` chosen on the host; with a traced
         ``keep``, N (correct, but no saving: pass a bucket under ``jit``).
-      impl: ``"auto"`` (the XLA chunked path), ``"xla"`` or ``"reference"`` (full logits).
-      token_chunk: rows per tile (rounded down to fit the bucket in as few tiles).
-      vocab_chunk: columns per tile; V need not be a multiple of it.
+      impl: ``"xla"`` (chunked XLA scan, every backend), ``"pallas_tpu"`` (Mosaic TPU
+        kernels, ``jaxhead.pallas_tpu``), ``"pallas_triton"`` (Triton GPU kernels,
+        ``jaxhead.pallas_triton``), ``"reference"`` (full logits), or ``"auto"``: by
+        ``jax.default_backend()``, pallas_tpu on TPU, pallas_triton on GPU, xla elsewhere;
+        when the kernel cannot run the call (e.g. an unsupported dtype, or a hidden size
+        whose tiles exceed VMEM) ``"auto"`` uses xla and logs the reason (``logging``,
+        logger ``jaxhead.head``). The kernels run on CPU only in Pallas interpret mode
+        (``JAXHEAD_PALLAS_INTERPRET=1``, see ``jaxhead.pallas_mode``), for tests.
+      token_chunk: rows per tile of the XLA path (rounded down to fit the bucket in as few
+        tiles).
+      vocab_chunk: columns per tile of the XLA path; V need not be a multiple of it.
+      blocks: tile sizes of a kernel impl (``jaxhead.pallas_tpu.TpuBlocks`` or
+        ``jaxhead.pallas_triton.TritonBlocks``); None: the documented defaults for the
+        backend and dtype. Ignored by the XLA and reference paths.
 
     Returns:
       ``HeadOutput(logprobs, entropy)``, float32 ``[...]``; exactly 0 where ``keep`` is
@@ -92,6 +133,8 @@ def token_logprobs(
       ValueError: shapes that disagree (both named); with concrete inputs, kept labels
         outside ``[0, V)`` (count and first position named), a temperature not > 0 on a
         kept token, or ``bucket`` smaller than the number of kept tokens; an unknown impl.
+        ``jaxhead.pallas_mode.KernelUnsupported`` (a ValueError): an explicit kernel impl
+        that cannot run the call (the reason named); bad ``blocks`` sizes.
       TypeError: non-float hidden/weight, different hidden/weight dtypes, non-integer
         labels, non-bool keep.
 
@@ -101,7 +144,7 @@ def token_logprobs(
     silently wrong; a temperature <= 0 gives inf/NaN the same way.
     """
     validation.check_inputs(hidden, weight, labels, keep, temperature, softcap)
-    impl = resolve_impl(impl)
+    requested, impl = impl, resolve_impl(impl)
     hidden_size, vocab_size = weight.shape
     validation.check_values(labels, keep, temperature, vocab_size)
     if impl == "reference":
@@ -119,19 +162,21 @@ def token_logprobs(
     keep_flat = None if keep is None else keep.reshape(num_tokens)
     rows = num_tokens if keep is None else _resolve_bucket(keep, bucket, num_tokens)
 
-    cfg, padded = xla.make_config(
-        rows, hidden_size, vocab_size, hidden.dtype, softcap=softcap, with_entropy=with_entropy,
-        token_chunk=token_chunk, vocab_chunk=vocab_chunk,
+    head, cfg, padded = _configure(
+        impl, requested, rows, hidden_size, vocab_size, hidden.dtype,
+        {"softcap": softcap, "with_entropy": with_entropy, "token_chunk": token_chunk,
+         "vocab_chunk": vocab_chunk},
+        blocks,
     )
     if keep_flat is None:  # every row, in order: pad to whole token chunks
         pad = [(0, padded - num_tokens)]
         h_c = jnp.pad(h, pad + [(0, 0)])
         y_c, it_c = jnp.pad(y, pad), jnp.pad(inv_temp, pad, constant_values=1.0)
-        _, logp, ent = xla.chunked_head(cfg, h_c, weight, y_c, it_c)
+        _, logp, ent = head(cfg, h_c, weight, y_c, it_c)
         logp, ent = logp[:num_tokens], ent[:num_tokens]
     else:
         idx, pos = compaction.kept_indices(keep_flat, padded)
-        _, logp, ent = xla.chunked_head(
+        _, logp, ent = head(
             cfg,
             compaction.compact(h, idx, pos),
             weight,
