@@ -8,7 +8,8 @@ The loss is what an RL step differentiates: ``sum(g * logp) + sum(e * entropy)``
 random cotangents. "plain" is ``jaxhead.reference_token_logprobs`` (full float32 logits,
 ``log_softmax``; skipped tokens masked after the fact, as plain code does). jaxhead runs
 on the kept tokens only, with the bucket the host picks from the ladder. Time: median of
-``--repeats`` runs after one warm-up (compile excluded). Temp: XLA's compiled memory
+``--repeats`` runs after one warm-up (compile excluded), the implementations interleaved
+round by round so that background load affects all alike. Temp: XLA's compiled memory
 analysis (temporaries beyond inputs and outputs) of the same jitted function.
 """
 
@@ -54,29 +55,29 @@ def grad_fn(head, keep, **kw):
     return jax.jit(jax.grad(loss, (0, 1)))
 
 
-def measure(fn, args, repeats):
-    temp = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
-    jax.block_until_ready(fn(*args))  # warm-up
-    times = []
+def measure(fns, args, repeats):
+    """Median seconds and compiled temp bytes of each function. Runs are interleaved
+    (one of each per round) so that load from other processes hits all of them alike."""
+    temps = [fn.lower(*args).compile().memory_analysis().temp_size_in_bytes for fn in fns]
+    for fn in fns:
+        jax.block_until_ready(fn(*args))  # warm-up
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), temp
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times], temps
 
 
 def run(n, h, v, dtype, fractions, repeats):
     args = make_inputs(n, h, v, dtype)
-    rows = []
-    plain_t, plain_m = measure(grad_fn(jaxhead.reference_token_logprobs, None), args, repeats)
-    rows.append(("plain JAX", 1.0, plain_t, plain_m))
-    for f in fractions:
-        keep = None if f == 1.0 else keep_of(n, f)
-        fn = grad_fn(jaxhead.token_logprobs, keep)
-        t, m = measure(fn, args, repeats)
-        rows.append(("jaxhead", f, t, m))
-    for name, f, t, m in rows:
-        print(f"| {n} | {h} | {v} | {name} | {f:.2f} | {t * 1e3:9.1f} | {t / plain_t:5.2f}x "
+    names = [("plain JAX", 1.0)] + [("jaxhead", f) for f in fractions]
+    fns = [grad_fn(jaxhead.reference_token_logprobs, None)]
+    fns += [grad_fn(jaxhead.token_logprobs, None if f == 1.0 else keep_of(n, f)) for f in fractions]
+    times, temps = measure(fns, args, repeats)
+    for (name, f), t, m in zip(names, times, temps):
+        print(f"| {n} | {h} | {v} | {name} | {f:.2f} | {t * 1e3:9.1f} | {t / times[0]:5.2f}x "
               f"| {m / GiB:7.3f} |", flush=True)
 
 

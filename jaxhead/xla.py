@@ -54,6 +54,7 @@ from jax import lax
 DEFAULT_TOKEN_CHUNK = 512
 DEFAULT_VOCAB_CHUNK = 8192
 FUSED_BACKWARD_MAX_BYTES = 256 * 2**20
+DW_BITS_MAX_BYTES = 512 * 2**20
 _ROW_ALIGN = 8
 
 
@@ -71,6 +72,7 @@ class ChunkConfig:
         the input dtype, or float32 for 16-bit inputs on a CPU without bf16 matrix units.
       cpu_layout: materialise ``h_t^T`` before ``h_t^T @ du`` (XLA's CPU dot runs a
         transposed-operand product at about half speed).
+      dw_as_bits: write the 16-bit ``dw`` chunks into a ``uint16`` view (see ``_DwBuffer``).
     """
 
     softcap: float | None
@@ -80,6 +82,7 @@ class ChunkConfig:
     fused_backward: bool
     matmul_dtype: str = "float32"
     cpu_layout: bool = False
+    dw_as_bits: bool = False
 
 
 def _cpu_has_bf16_matmul() -> bool:
@@ -144,6 +147,7 @@ def make_config(
         fused_backward=padded * hidden_size * 4 <= limit,
         matmul_dtype="float32" if upcast else jnp.dtype(dtype).name,
         cpu_layout=on_cpu,
+        dw_as_bits=on_cpu and narrow and hidden_size * vocab_size * 2 <= DW_BITS_MAX_BYTES,
     )
     return cfg, padded
 
@@ -211,6 +215,30 @@ def _put_rows(out, i, rows_f32):
     """``out`` with rows ``i * T ...`` replaced by ``rows_f32 [T, ...]`` cast to its dtype."""
     chunk = rows_f32.shape[0]
     return lax.dynamic_update_slice_in_dim(out, rows_f32.astype(out.dtype), i * chunk, 0)
+
+
+class _DwBuffer:
+    """The ``dw [H, V]`` output written one vocab chunk at a time.
+
+    XLA's CPU compiler widens a bf16 dynamic-update-slice to float32 over the *whole*
+    operand, so each chunk write costs a full pass over ``dw``. With ``cfg.dw_as_bits`` the
+    chunks go into a ``uint16`` view instead (an in-place integer update) and one bitcast at
+    the end makes the bf16 result: fast, at the price of one ``dw``-sized temporary, so it
+    is used only while ``dw`` is at most ``DW_BITS_MAX_BYTES``.
+    """
+
+    def __init__(self, cfg: ChunkConfig, w):
+        self.bits, self.dtype = cfg.dw_as_bits, w.dtype
+        self.init = jnp.zeros(w.shape, jnp.uint16 if self.bits else w.dtype)
+
+    def write(self, dw, dw_c, off):
+        update = dw_c.astype(self.dtype)
+        if self.bits:
+            update = lax.bitcast_convert_type(update, jnp.uint16)
+        return lax.dynamic_update_slice_in_dim(dw, update, off, 1)
+
+    def finish(self, dw):
+        return lax.bitcast_convert_type(dw, self.dtype) if self.bits else dw
 
 
 # ----------------------------------------------------------------------------- tiles
@@ -326,11 +354,12 @@ def _backward_fused(cfg, xs, h, w):
 
         init = (jnp.zeros(w_c.shape, jnp.float32), dh_acc)
         (dw_c, dh_acc), _ = _scan(token_step, init, xs, (h, w_c))
-        return dh_acc, lax.dynamic_update_slice_in_dim(dw, dw_c.astype(w.dtype), off, 1)
+        return dh_acc, out.write(dw, dw_c, off)
 
-    init = (jnp.zeros(h.shape, jnp.float32), jnp.zeros_like(w))
+    out = _DwBuffer(cfg, w)
+    init = (jnp.zeros(h.shape, jnp.float32), out.init)
     dh_acc, dw = _scan_vocab(cfg, vocab_step, init, w, (h,))
-    return dh_acc.astype(h.dtype), dw
+    return dh_acc.astype(h.dtype), out.finish(dw)
 
 
 def _backward_two_pass(cfg, xs, h, w):
@@ -356,9 +385,10 @@ def _backward_two_pass(cfg, xs, h, w):
             return acc + _dw_tile(cfg, h_t, du), None
 
         acc, _ = _scan(token_step, jnp.zeros(w_c.shape, jnp.float32), xs, (h, w_c))
-        return lax.dynamic_update_slice_in_dim(dw, acc.astype(w.dtype), off, 1)
+        return out.write(dw, acc, off)
 
-    return dh, _scan_vocab(cfg, dw_step, jnp.zeros_like(w), w, (h,))
+    out = _DwBuffer(cfg, w)
+    return dh, out.finish(_scan_vocab(cfg, dw_step, out.init, w, (h,)))
 
 
 # ----------------------------------------------------------------------------- custom_vjp

@@ -109,7 +109,10 @@ def test_gradients_match_float64_autodiff(backward, cotangent, variant, monkeypa
         assert rel_err(x, r) <= 1e-5, rel_err(x, r)
 
 
-def test_bf16_gradients_close_to_float64():
+@pytest.mark.parametrize("dw_as_bits", [True, False])
+def test_bf16_gradients_close_to_float64(dw_as_bits, monkeypatch):
+    if not dw_as_bits:
+        monkeypatch.setattr(xla, "DW_BITS_MAX_BYTES", 0)
     hidden, weight, labels = head_inputs(7, 64, 64, 2000, jnp.bfloat16)
     g = jax.random.normal(jax.random.key(1), (64,))
     e = jax.random.normal(jax.random.key(2), (64,))
