@@ -233,9 +233,9 @@ def sharded_token_logprobs(
             )
             ent = out.entropy if with_entropy else jnp.zeros_like(out.logprobs)
             return out.logprobs, ent
-        return _vocab_parallel_shard(h, w, y, t, k)
+        return vocab_parallel_shard(h, w, y, t, k)
 
-    def _vocab_parallel_shard(h, w, y, t, k):
+    def vocab_parallel_shard(h, w, y, t, k):
         n, hs = math.prod(y.shape), h.shape[-1]
         rows = n if k is None else min(n if bucket is None else bucket, n)
         cfg, padded = xla.make_config(

@@ -24,9 +24,16 @@ the routing. Memory per MoE layer per device: the send and receive buffers
 ``P * C`` received rows (``[P * C, 2 I]`` and a float32 ``[P * C, H]``), i.e. ``P *
 min(k, E_l) / k`` times what the average routing needs. For Qwen3-30B-A3B (H = 2048,
 I = 768, k = 8, E = 128) on ``expert = 8`` (E_l = 16) that is 8x the average: with
-T = 2048 tokens per device, 2 x 256 MiB of bf16 buffers per layer. Rows past a block's
+T = 2048 tokens per device, 2 x 512 MiB of bf16 buffers per layer. Rows past a block's
 count are zeros and belong to no expert (``ragged_dot`` skips them on accelerators that
-implement it grouped; the CPU lowering computes them densely).
+implement it grouped; the CPU lowering computes them densely, in row chunks, see
+``models.experts.rows_per_chunk``). The body is rematerialised in the backward pass
+(``jax.checkpoint``), so these buffers live for one layer at a time, never for the whole
+network: the backward repeats the dispatch (3 more all-to-alls per layer). And a
+device's tokens go through the all-to-all in equal rounds (``lax.map``) of at most
+``MAX_DISPATCH_ROWS`` receive rows (``tokens_per_dispatch``): the buffers are bounded
+whatever T (for the example above: 4 rounds of 512 tokens, 2 x 128 MiB), at the price of
+more, smaller all-to-alls.
 
 Other axes: the tokens are split over ``BATCH_AXES`` (``data, fsdp, expert``). Expert
 weights split on their hidden dimension over ``fsdp`` are all-gathered over ``fsdp``
@@ -63,6 +70,11 @@ def _nontrivial(spec: P, mesh) -> P:
     return P(*(keep(e) for e in spec))
 
 
+#: Default bound on the rows of one all-to-all round's receive buffer (128 MiB of bf16
+#: rows at H = 2048); see ``tokens_per_dispatch``.
+MAX_DISPATCH_ROWS = 2**15
+
+
 def capacity(tokens: int, top_k: int, local_experts: int) -> int:
     """Rows per (source, destination) block: ``tokens * min(top_k, local_experts)``, the
     most pairs of ``tokens`` tokens that can route to one device's experts."""
@@ -74,12 +86,21 @@ def _exchange(x, axis, num):
     return x if num == 1 else jax.lax.all_to_all(x, axis, 0, 0)
 
 
-def _shard_body(x, experts, weights, gate, up, down, *, expert_axis, num, gather_axes,
-                sum_axes):
-    """Per-device expert-parallel MoE; see the module docstring for the steps."""
-    if gather_axes:  # this device's experts only, whole on their hidden dimension
-        gate, up = (jax.lax.all_gather(w, gather_axes, axis=1, tiled=True) for w in (gate, up))
-        down = jax.lax.all_gather(down, gather_axes, axis=2, tiled=True)
+def tokens_per_dispatch(tokens: int, devices: int, top_k: int, local_experts: int,
+                        max_rows: int) -> int:
+    """Tokens per all-to-all round: the largest divisor ``t`` of ``tokens`` whose receive
+    buffer ``devices * capacity(t, top_k, local_experts)`` stays within ``max_rows`` rows
+    (at least 1 token)."""
+    per_token = devices * min(top_k, local_experts)
+    for t in range(min(tokens, max(1, max_rows // per_token)), 0, -1):
+        if tokens % t == 0:
+            return t
+    return 1
+
+
+def _dispatch(x, experts, weights, gate, up, down, *, expert_axis, num, partial):
+    """One all-to-all round for ``x [t, H]`` (steps 1-4 of the module docstring); float32
+    ``[t, H]``, a partial sum over the MLP width when ``partial``."""
     tokens, top_k = experts.shape
     local = gate.shape[0]
     cap = capacity(tokens, top_k, local)
@@ -104,7 +125,7 @@ def _shard_body(x, experts, weights, gate, up, down, *, expert_axis, num, gather
     order2 = jnp.argsort(local_ids.reshape(-1), stable=True)
     rows = recv.reshape(num * cap, -1)[order2]
     out = expert_ffn(rows, recv_counts.sum(axis=0), gate, up, down)
-    out = out if sum_axes else out.astype(x.dtype)  # partial sums stay float32
+    out = out if partial else out.astype(x.dtype)  # partial sums stay float32
     out = out[jnp.argsort(order2)].reshape(num, cap, -1)
     back = _exchange(out, expert_axis, num).reshape(num * cap, -1)
 
@@ -112,14 +133,37 @@ def _shard_body(x, experts, weights, gate, up, down, *, expert_axis, num, gather
     dest = flat[order] // local
     rank = jnp.arange(pairs, dtype=jnp.int32) - send_start[dest]
     pair_out = back[dest * cap + rank][jnp.argsort(order)].reshape(tokens, top_k, -1)
-    y = combine(pair_out, weights, pair_out.dtype)
+    return combine(pair_out, weights, pair_out.dtype)
+
+
+def _shard_body(x, experts, weights, gate, up, down, *, expert_axis, num, gather_axes,
+                sum_axes, max_rows):
+    """Per-device expert-parallel MoE: the token rounds of ``_dispatch`` (``lax.map``)."""
+    if gather_axes:  # this device's experts only, whole on their hidden dimension
+        gate, up = (jax.lax.all_gather(w, gather_axes, axis=1, tiled=True) for w in (gate, up))
+        down = jax.lax.all_gather(down, gather_axes, axis=2, tiled=True)
+    tokens, top_k = experts.shape
+    step = tokens_per_dispatch(tokens, num, top_k, gate.shape[0], max_rows)
+
+    @jax.checkpoint  # the backward recomputes one round at a time, never all at once
+    def one(args):
+        return _dispatch(*args, gate, up, down, expert_axis=expert_axis, num=num,
+                         partial=bool(sum_axes))
+
+    if step == tokens:
+        y = one((x, experts, weights))
+    else:
+        rounds = tokens // step
+        split = (a.reshape(rounds, step, *a.shape[1:]) for a in (x, experts, weights))
+        y = jax.lax.map(one, tuple(split)).reshape(tokens, -1)
     if sum_axes:
         y = jax.lax.psum(y, sum_axes)
     return y.astype(x.dtype)
 
 
 def dropless_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array,
-                     up: jax.Array, down: jax.Array, *, mesh) -> jax.Array:
+                     up: jax.Array, down: jax.Array, *, mesh,
+                     max_rows: int = MAX_DISPATCH_ROWS) -> jax.Array:
     """``models.experts.dropless_experts`` with the experts spread over ``mesh``.
 
     Args:
@@ -128,9 +172,14 @@ def dropless_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate:
       gate, up: ``[E, H, I]``; down: ``[E, I, H]``; laid out by
         ``models.sharding.DEFAULT_RULES`` (experts over ``expert``).
       mesh: a ``Mesh`` or ``AbstractMesh`` with the ``jaxhead.mesh`` axes.
+      max_rows: receive-buffer rows per all-to-all round (``tokens_per_dispatch``): the
+        device's tokens go in as few equal rounds as keep within it.
 
     Returns:
-      ``[T, H]`` in the dtype of ``x``, split like ``x``.
+      ``[T, H]`` in the dtype of ``x``, split like ``x``. Under differentiation the
+      per-device body is rematerialised (``jax.checkpoint``): only its inputs are kept
+      for the backward pass, which repeats the dispatch, so the worst-case buffers never
+      outlive the layer (otherwise every layer would keep them until its backward).
 
     Raises:
       ValueError: ``T`` not divisible by the token shards, or E (or H, I) not divisible by
@@ -148,11 +197,12 @@ def dropless_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate:
         return _shard_body(
             *args, expert_axis=expert_axes, num=axis_size(mesh, expert_axes),
             gather_axes=_axes(gate_spec[1]), sum_axes=_axes(gate_spec[2]),
+            max_rows=max_rows,
         )
 
     tok = P(token_axes or None)
     run = jax.shard_map(
-        body, mesh=mesh, in_specs=(tok, tok, tok, gate_spec, gate_spec, down_spec),
-        out_specs=tok,
+        jax.checkpoint(body), mesh=mesh,
+        in_specs=(tok, tok, tok, gate_spec, gate_spec, down_spec), out_specs=tok,
     )
     return run(x, experts, weights, gate, up, down)
