@@ -20,7 +20,8 @@ from models_util import random_model
 
 import jaxhead
 from jaxhead.mesh import batch_sharding, initialize_distributed, make_mesh, shard_batch
-from models import get_config, jit_sharded, state_shardings
+from models import expert_parallel, get_config, jit_sharded, state_shardings
+from models import experts as experts_lib
 
 MOE_MESH = {"data": 2, "expert": 4}
 
@@ -178,6 +179,33 @@ def _collectives(hlo: str, expert_shapes) -> dict:
     }
 
 
+def _dispatch_rounds(mesh) -> dict:
+    """The expert-parallel layer with its tokens sent in 4 all-to-all rounds (a small
+    ``max_rows``) vs ``models.experts.dropless_experts``: values and gradients."""
+    rng = np.random.default_rng(4)
+    tokens, h, i, e, k = 128, 32, 16, 8, 2  # 16 tokens per device, 2 experts per device
+    x = jnp.asarray(rng.standard_normal((tokens, h)), jnp.float32)
+    logits = jnp.asarray(rng.standard_normal((tokens, e)) * 2, jnp.float32)
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits), k)
+    params = tuple(jnp.asarray(rng.standard_normal(s) / 4, jnp.float32)
+                   for s in ((e, h, i), (e, h, i), (e, i, h)))
+    cotangent = jnp.asarray(rng.standard_normal((tokens, h)), jnp.float32)
+    rounds = tokens // 8 // expert_parallel.tokens_per_dispatch(tokens // 8, 4, k, 2, 32)
+
+    def vjp(layer):
+        out, pull = jax.vjp(lambda x, *p: layer(x, experts, weights, *p), x, *params)
+        return out, pull(cotangent)
+
+    def sharded(*args):
+        return expert_parallel.dropless_experts(*args, mesh=mesh, max_rows=32)
+
+    ref = jax.jit(lambda: vjp(experts_lib.dropless_experts))()
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda: vjp(sharded))()
+    return {"rounds": rounds, "value": _max_abs(got[0], ref[0]),
+            "grads": max(_max_abs(a, b) for a, b in zip(got[1], ref[1], strict=True))}
+
+
 def moe_case() -> dict:
     """Tiny Qwen3-MoE on data=2 x expert=4 vs one device: forward, head, loss and every
     gradient; the compiled step's collectives; the expert weights' shard shapes. Then the
@@ -212,6 +240,7 @@ def moe_case() -> dict:
         reference=rl_loss_step(graphdef, single_bucket, False, with_grads=False),
     )
     return {
+        "rounds": _dispatch_rounds(mesh),
         "loss": diffs["[0]"], "hidden": diffs["[1][0]"], "logprobs": diffs["[1][1]"],
         "entropy": diffs["[1][2]"], "aux": diffs["[1][3]"], "grads": grad_diff,
         "grad_leaves": sum(k.startswith("[2]") for k in diffs),

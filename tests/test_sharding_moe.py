@@ -17,9 +17,13 @@ def test_moe_expert_parallel_matches_single_device():
     for key, value in r["fsdp_tensor_forward"].items():
         assert value <= TOL, f"fsdp x expert x tensor: {key} differs by {value:.3g}"
 
+    rounds = r["rounds"]  # the tokens of a device sent in several all-to-all rounds
+    assert rounds["rounds"] == 4 and rounds["value"] <= TOL and rounds["grads"] <= TOL, rounds
+
     c = r["collectives"]
-    # forward: 3 per MoE layer (tokens out, counts, results back); backward: 2 per layer
-    assert c["all_to_all"] == 10, c
+    # per MoE layer, forward: 3 (tokens out, counts, results back); the backward adds the
+    # transposes and the rematerialised dispatch (XLA may merge the repeated counts one)
+    assert 2 * 3 < c["all_to_all"] <= 2 * 8, c
     assert c["full_expert_gathers"] == [], c
 
     local = r["num_experts"] // r["expert_axis"]
