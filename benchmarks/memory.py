@@ -95,18 +95,16 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
                       out_shardings=(p_shard, p_shard, p_shard, None),
                       donate_argnums=(0, 1, 2))
     mem = run.lower(params, f32, f32, data).compile().memory_analysis()
-    param_bytes = _shard_bytes(params, p_shard)
+    param_bytes = _shard_bytes(params, p_shard)  # exact: the shards' sizes
     adam_bytes = 2 * _shard_bytes(f32, p_shard)
-    args_bytes = mem.argument_size_in_bytes
-    peak = args_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes \
-        - mem.alias_size_in_bytes
+    peak = (mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
+            - mem.alias_size_in_bytes)
     return {
         "preset": preset + (f" ({layers} layers)" if layers else ""),
         "mesh": (" x ".join(f"{k}={v}" for k, v in mesh_sizes.items() if v > 1) or "1")
         + (f", vocab over {vocab_axis}" if vocab_axis else ""),
         "devices": math.prod(mesh_sizes.values()), "tokens": per_shard,
         "params": param_bytes / GIB, "adam": adam_bytes / GIB,
-        "batch": (args_bytes - param_bytes - adam_bytes) / GIB,
         "temp": mem.temp_size_in_bytes / GIB, "peak": peak / GIB,
     }
 
@@ -141,13 +139,13 @@ def main(argv=None) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     print("| preset | mesh | devices | tokens/device | params GiB | Adam m+v GiB | "
-          "batch GiB | temporaries GiB | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "temporaries GiB | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|")
     for mesh in meshes:
         row = measure(args.preset, mesh, batch=args.batch, seq=args.seq, keep=args.keep,
                       layers=args.layers, vocab_axis=args.vocab_axis)
-        print("| {preset} | {mesh} | {devices} | {tokens} | {params:.2f} | {adam:.2f} | "
-              "{batch:.2f} | {temp:.2f} | {peak:.2f} |".format(**row), flush=True)
+        print("| {preset} | {mesh} | {devices} | {tokens} | {params:.3g} | {adam:.3g} | "
+              "{temp:.3g} | {peak:.3g} |".format(**row), flush=True)
 
 
 if __name__ == "__main__":
