@@ -70,6 +70,43 @@ def _resolve_bucket(keep, bucket, num_tokens: int) -> int:
     return min(bucket, num_tokens)
 
 
+def run_compacted(head, cfg, padded: int, h, weight, y, inv_temp, keep=None):
+    """Compact the kept rows into ``padded`` slots, run ``head`` on them, expand back.
+
+    Args:
+      head: ``head(cfg, h_c, weight, y_c, inv_temp_c) -> (logZ, logp, entropy)`` on
+        ``[padded]`` rows (``xla.chunked_head``, a kernel, or a vocab-parallel head).
+      cfg, padded: the head's static config and its padded row count.
+      h: ``[N, H]``; weight: ``[H, V]`` (or a vocab shard); y: int32 ``[N]``;
+      inv_temp: float32 ``[N]``; keep: bool ``[N]`` or None (every row, in order).
+
+    Returns:
+      float32 ``(logp, entropy)``, ``[N]`` each: 0 where not kept, NaN for kept rows
+      beyond ``padded`` (the bucket overflowed).
+    """
+    num_tokens = h.shape[0]
+    if keep is None:  # every row, in order: pad to whole token chunks
+        pad = [(0, padded - num_tokens)]
+        h_c = jnp.pad(h, pad + [(0, 0)])
+        y_c, it_c = jnp.pad(y, pad), jnp.pad(inv_temp, pad, constant_values=1.0)
+        _, logp, ent = head(cfg, h_c, weight, y_c, it_c)
+        return logp[:num_tokens], ent[:num_tokens]
+    idx, pos = compaction.kept_indices(keep, padded)
+    _, logp, ent = head(
+        cfg,
+        compaction.compact(h, idx, pos),
+        weight,
+        compaction.gather_rows(y, idx, 0),
+        compaction.gather_rows(inv_temp, idx, 1.0),
+    )
+    logp, ent = compaction.expand(logp, idx, pos), compaction.expand(ent, idx, pos)
+    if padded < num_tokens:
+        lost = compaction.overflow_mask(keep, padded)
+        logp = jnp.where(lost, jnp.nan, logp)
+        ent = jnp.where(lost, jnp.nan, ent)
+    return logp, ent
+
+
 def token_logprobs(
     hidden: jax.Array,
     weight: jax.Array,
@@ -168,26 +205,7 @@ def token_logprobs(
          "vocab_chunk": vocab_chunk},
         blocks,
     )
-    if keep_flat is None:  # every row, in order: pad to whole token chunks
-        pad = [(0, padded - num_tokens)]
-        h_c = jnp.pad(h, pad + [(0, 0)])
-        y_c, it_c = jnp.pad(y, pad), jnp.pad(inv_temp, pad, constant_values=1.0)
-        _, logp, ent = head(cfg, h_c, weight, y_c, it_c)
-        logp, ent = logp[:num_tokens], ent[:num_tokens]
-    else:
-        idx, pos = compaction.kept_indices(keep_flat, padded)
-        _, logp, ent = head(
-            cfg,
-            compaction.compact(h, idx, pos),
-            weight,
-            compaction.gather_rows(y, idx, 0),
-            compaction.gather_rows(inv_temp, idx, 1.0),
-        )
-        logp, ent = compaction.expand(logp, idx, pos), compaction.expand(ent, idx, pos)
-        if padded < num_tokens:
-            lost = compaction.overflow_mask(keep_flat, padded)
-            logp = jnp.where(lost, jnp.nan, logp)
-            ent = jnp.where(lost, jnp.nan, ent)
+    logp, ent = run_compacted(head, cfg, padded, h, weight, y, inv_temp, keep_flat)
     ent = ent if with_entropy else None
     return HeadOutput(
         logp.reshape(batch_shape), None if ent is None else ent.reshape(batch_shape)

@@ -8,6 +8,7 @@ from flax import nnx
 
 from jaxhead import xla
 from jaxhead.head import token_logprobs
+from jaxhead.sharding import sharded_token_logprobs
 from jaxhead.types import HeadOutput
 
 #: Logical axis names of the head weight ``[H, V]`` (mapped to mesh axes by sharding rules).
@@ -93,6 +94,31 @@ class LMHead(nnx.Module):
             temperature=temperature, softcap=self.softcap, with_entropy=with_entropy,
             bucket=bucket, impl=self.impl, token_chunk=self.token_chunk,
             vocab_chunk=self.vocab_chunk,
+        )
+
+    def sharded(
+        self,
+        hidden: jax.Array,
+        labels: jax.Array,
+        keep: jax.Array | None = None,
+        *,
+        mesh=None,
+        token_axes=None,
+        vocab_axis: str | None = None,
+        temperature=1.0,
+        with_entropy: bool = True,
+        bucket: int | None = None,
+    ) -> HeadOutput:
+        """``jaxhead.sharded_token_logprobs`` with this head's weight and settings: tokens
+        split over ``token_axes`` of ``mesh`` (None: the mesh set with ``jax.set_mesh``),
+        one static ``bucket`` per shard (``jaxhead.bucket_for_shards``), optionally the
+        vocabulary over ``vocab_axis``; see there."""
+        dtype = self.dtype or hidden.dtype
+        return sharded_token_logprobs(
+            hidden.astype(dtype), self.weight(dtype), labels, keep, mesh=mesh,
+            token_axes=token_axes, vocab_axis=vocab_axis, bucket=bucket,
+            temperature=temperature, softcap=self.softcap, with_entropy=with_entropy,
+            impl=self.impl, token_chunk=self.token_chunk, vocab_chunk=self.vocab_chunk,
         )
 
     def logits(self, hidden: jax.Array) -> jax.Array:

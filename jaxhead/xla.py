@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -155,19 +156,41 @@ def make_config(
 # ----------------------------------------------------------------------------- loops
 
 
-def _scan(body, carry, xs, pinned):
+def _vary_like(carry, refs):
+    """``carry`` made to vary over every mesh axis that an array of ``refs`` varies over.
+
+    Inside ``jax.shard_map`` a scan carry must keep its type, but an initial value such as
+    ``jnp.zeros(...)`` is invariant while the body mixes in per-shard inputs. Adding a
+    zero scalar derived from every ref (``zeros_like`` keeps the varying axes) fixes the
+    type with public ops only; outside ``shard_map`` (or when nothing varies) the added
+    zeros are constants that XLA folds away.
+    """
+    refs = jax.tree.leaves(refs)
+    if not refs:
+        return carry
+    zero = sum(jnp.zeros_like(r, dtype=jnp.float32, shape=()) for r in refs)
+
+    def add(c):
+        return c | (zero != 0) if c.dtype == jnp.bool_ else c + zero.astype(c.dtype)
+
+    return jax.tree.map(add, carry)
+
+
+def _scan(body, carry, xs, pinned, vary=()):
     """``lax.scan`` whose body also receives the large loop-invariant arrays ``pinned``.
 
     ``pinned`` (the hidden states and the head weight) travel in the carry behind an
     ``optimization_barrier``, so XLA cannot hoist a whole-array op on them out of the loop.
     Without it, XLA's CPU compiler, which moves bf16 through slices as float32, converts
     all of ``w`` (2.3 GB at Qwen3 scale) before the loop instead of one chunk per step.
-    ``body(carry, x, *pinned) -> (carry, y)``.
+    ``body(carry, x, *pinned) -> (carry, y)``. ``vary``: arrays the body reads from its
+    closure (see ``_vary_like``; ``xs`` and ``pinned`` are counted already).
     """
+    carry = _vary_like(carry, (xs, pinned, vary))
 
     def step(c, x):
         c, p = c
-        p = lax.optimization_barrier(p)
+        p = tuple(lax.optimization_barrier(a) for a in p)  # one each: keeps their types
         c, y = body(c, x, *p)
         return (c, p), y
 
@@ -175,9 +198,9 @@ def _scan(body, carry, xs, pinned):
     return carry, ys
 
 
-def _scan_vocab(cfg: ChunkConfig, step, carry, w, pinned=()):
+def _scan_vocab(cfg: ChunkConfig, step, carry, w, pinned=(), vary=()):
     """Apply ``carry = step(carry, w_c, offset, *pinned)`` to every vocab chunk ``w_c`` of
-    ``w`` (cast to the matmul dtype).
+    ``w`` (cast to the matmul dtype). ``vary``: arrays ``step`` reads from its closure.
 
     Full chunks run in a scan; a ragged remainder runs once more with its own (narrower,
     static) width, so no padded vocab column exists.
@@ -190,7 +213,7 @@ def _scan_vocab(cfg: ChunkConfig, step, carry, w, pinned=()):
         return step(c, w_c, i * chunk, *pinned), None
 
     if n_full:
-        carry, _ = _scan(body, carry, jnp.arange(n_full), (w, *pinned))
+        carry, _ = _scan(body, carry, jnp.arange(n_full), (w, *pinned), vary)
     if tail:
         carry = step(carry, w[:, n_full * chunk :].astype(dtype), n_full * chunk, *pinned)
     return carry
@@ -279,7 +302,24 @@ def _dw_tile(cfg: ChunkConfig, h_t, du):
 # ----------------------------------------------------------------------------- forward
 
 
-def _forward_chunk(cfg: ChunkConfig, h_t, w, y_t, it_t):
+class PartialStats(NamedTuple):
+    """Per-row online log-sum-exp statistics of the logits over some vocab columns, float32
+    ``[B]`` each (see the module docstring): ``m`` running max, ``r = s - 1`` with
+    ``s = sum exp(l - m)``, ``t = sum exp(l - m) (l - m)`` (zeros without entropy), ``zy``
+    the label logit (0 if the label is not among the columns), ``found`` whether it is.
+
+    A vocab-parallel head (``jaxhead.vocab_parallel``) computes them per vocab shard and
+    combines them across shards; ``finish`` turns them into ``(logZ, logp, entropy)``.
+    """
+
+    m: jax.Array
+    r: jax.Array
+    t: jax.Array
+    zy: jax.Array
+    found: jax.Array
+
+
+def _partial_chunk(cfg: ChunkConfig, h_t, w, y_t, it_t) -> PartialStats:
     rows = h_t.shape[0]
     f32 = jnp.float32
     init = (
@@ -313,30 +353,46 @@ def _forward_chunk(cfg: ChunkConfig, h_t, w, y_t, it_t):
         found = found | hit.any(axis=1)
         return m_new, r_new, t, zy, found
 
-    m, r, t, zy, found = _scan_vocab(cfg, step, init, w)
-    log_s = jnp.log1p(r)
-    logz = m + log_s
-    logp = jnp.where(found, (zy - m) - log_s, jnp.nan)
-    ent = log_s - t / (1.0 + r) if cfg.with_entropy else jnp.zeros_like(logz)
-    return logz, logp, ent
+    return PartialStats(*_scan_vocab(cfg, step, init, w, vary=(h_t, y_t, it_t)))
 
 
-def _forward(cfg: ChunkConfig, h, w, labels, inv_temp):
+def partial_stats(cfg: ChunkConfig, h, w, labels, inv_temp) -> PartialStats:
+    """``PartialStats`` of the rows of ``h [B, H]`` over the columns of ``w [H, V']``.
+
+    ``labels`` int32 ``[B]`` index the columns of ``w``: a label outside ``[0, V')`` is
+    simply not found (a vocab shard passes the global labels minus its column offset).
+    ``B`` must be a multiple of ``cfg.token_chunk``.
+    """
     tc = cfg.token_chunk
 
     def body(_, x, h, w):
         i, y_t, it_t = x
-        return None, _forward_chunk(cfg, _rows(h, i, tc, cfg.matmul_dtype), w, y_t, it_t)
+        return None, _partial_chunk(cfg, _rows(h, i, tc, cfg.matmul_dtype), w, y_t, it_t)
 
     steps = jnp.arange(h.shape[0] // tc)
     _, outs = _scan(body, None, (steps, *_chunks(tc, labels, inv_temp)), (h, w))
-    return tuple(o.reshape(labels.shape) for o in outs)
+    return PartialStats(*(o.reshape(labels.shape) for o in outs))
+
+
+def finish(stats: PartialStats, with_entropy: bool):
+    """float32 ``(logZ, logp, entropy)`` from the statistics of *all* vocab columns:
+    ``logZ = m + log1p(r)``, ``logp = zy - logZ`` (NaN where the label was not found),
+    ``entropy = log1p(r) - t / (1 + r)`` (zeros without entropy)."""
+    log_s = jnp.log1p(stats.r)
+    logz = stats.m + log_s
+    logp = jnp.where(stats.found, (stats.zy - stats.m) - log_s, jnp.nan)
+    ent = log_s - stats.t / (1.0 + stats.r) if with_entropy else jnp.zeros_like(logz)
+    return logz, logp, ent
+
+
+def _forward(cfg: ChunkConfig, h, w, labels, inv_temp):
+    return finish(partial_stats(cfg, h, w, labels, inv_temp), cfg.with_entropy)
 
 
 # ----------------------------------------------------------------------------- backward
 
 
-def _backward_fused(cfg, xs, h, w):
+def _backward_fused(cfg, xs, h, w, dh_dtype):
     """Vocab outer, tokens inner: one recompute, float32 ``dh [B, H]`` accumulator."""
     tc = cfg.token_chunk
 
@@ -358,11 +414,11 @@ def _backward_fused(cfg, xs, h, w):
 
     out = _DwBuffer(cfg, w)
     init = (jnp.zeros(h.shape, jnp.float32), out.init)
-    dh_acc, dw = _scan_vocab(cfg, vocab_step, init, w, (h,))
-    return dh_acc.astype(h.dtype), out.finish(dw)
+    dh_acc, dw = _scan_vocab(cfg, vocab_step, init, w, (h,), vary=xs)
+    return dh_acc.astype(dh_dtype), out.finish(dw)
 
 
-def _backward_two_pass(cfg, xs, h, w):
+def _backward_two_pass(cfg, xs, h, w, dh_dtype):
     """Tokens outer for ``dh``, then vocab outer for ``dw``: temporaries independent of B."""
     tc = cfg.token_chunk
 
@@ -373,10 +429,10 @@ def _backward_two_pass(cfg, xs, h, w):
             du = _dlogits_tile(cfg, h_t, w_c, off, *x[1:])
             return acc + _matmul(du, w_c, ((1,), (1,)))
 
-        acc = _scan_vocab(cfg, step, jnp.zeros(h_t.shape, jnp.float32), w)
+        acc = _scan_vocab(cfg, step, jnp.zeros(h_t.shape, jnp.float32), w, vary=(h_t, x))
         return _put_rows(dh, x[0], acc), None
 
-    dh, _ = _scan(dh_chunk, jnp.zeros_like(h), xs, (h, w))
+    dh, _ = _scan(dh_chunk, jnp.zeros(h.shape, dh_dtype), xs, (h, w))
 
     def dw_step(dw, w_c, off, h):
         def token_step(acc, x, h, w_c):
@@ -388,7 +444,7 @@ def _backward_two_pass(cfg, xs, h, w):
         return out.write(dw, acc, off)
 
     out = _DwBuffer(cfg, w)
-    return dh, out.finish(_scan_vocab(cfg, dw_step, out.init, w, (h,)))
+    return dh, out.finish(_scan_vocab(cfg, dw_step, out.init, w, (h,), vary=xs))
 
 
 # ----------------------------------------------------------------------------- custom_vjp
@@ -419,15 +475,33 @@ def _chunked_head_fwd(cfg, h, w, labels, inv_temp):
     return (logz, logp, ent), (h, w, labels, inv_temp, logz, ent)
 
 
-def _chunked_head_bwd(cfg, res, cts):
-    _, g, e = cts
-    h, w, labels, inv_temp, logz, ent = res
+def backward(cfg: ChunkConfig, h, w, labels, inv_temp, logz, ent, g, e, dh_dtype=None):
+    """``(dh, dw)`` of ``sum(g * logp) + sum(e * entropy)`` by recomputing each logit tile.
+
+    Args:
+      cfg, h, w, labels, inv_temp: as ``chunked_head`` (``labels`` index the columns of
+        ``w``: a vocab shard passes its local labels, see ``partial_stats``).
+      logz, ent: float32 ``[B]`` of the forward over *all* vocab columns.
+      g, e: ``[B]`` cotangents of ``logp`` and ``entropy``.
+      dh_dtype: dtype of ``dh`` (default ``h.dtype``); a vocab shard asks for float32 so
+        that the sum of the shards' partial ``dh`` is not rounded first.
+
+    Returns:
+      ``dh [B, H]`` in ``dh_dtype`` and ``dw [H, V']`` in ``w.dtype`` (for the columns of
+      ``w`` only; ``dh`` is this shard's partial sum over them).
+    """
     f32 = jnp.float32
     steps = jnp.arange(h.shape[0] // cfg.token_chunk)
     xs = (steps, *_chunks(cfg.token_chunk, labels, inv_temp, logz, ent, g.astype(f32),
                           e.astype(f32)))
-    backward = _backward_fused if cfg.fused_backward else _backward_two_pass
-    dh, dw = backward(cfg, xs, h, w)
+    run = _backward_fused if cfg.fused_backward else _backward_two_pass
+    return run(cfg, xs, h, w, h.dtype if dh_dtype is None else dh_dtype)
+
+
+def _chunked_head_bwd(cfg, res, cts):
+    _, g, e = cts
+    h, w, labels, inv_temp, logz, ent = res
+    dh, dw = backward(cfg, h, w, labels, inv_temp, logz, ent, g, e)
     return dh, dw, None, None
 
 

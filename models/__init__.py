@@ -6,15 +6,27 @@ Public API:
   KVCache, init_cache                fixed-size cache for prefill + decode steps
   load_model, save_model, load_config, CheckpointError   HF safetensors import / export
   logical_axes, logical_partition_specs                   parameter logical axis names
+  DEFAULT_RULES, state_shardings, shard_model, init_sharded, jit_sharded
+                                     placement on a jaxhead.mesh mesh (models.sharding);
+                                     the MoE runs expert-parallel under it
 """
 
 from models.cache import KVCache, init_cache
 from models.config import PRESETS, ModelConfig, get_config
 from models.hf import CheckpointError, load_config, load_model, save_model
-from models.sharding import logical_axes, logical_partition_specs
+from models.sharding import (
+    DEFAULT_RULES,
+    init_sharded,
+    jit_sharded,
+    logical_axes,
+    logical_partition_specs,
+    shard_model,
+    state_shardings,
+)
 from models.transformer import DecoderOutput, Transformer
 
 __all__ = [
+    "DEFAULT_RULES",
     "PRESETS",
     "CheckpointError",
     "DecoderOutput",
@@ -23,9 +35,13 @@ __all__ = [
     "Transformer",
     "get_config",
     "init_cache",
+    "init_sharded",
+    "jit_sharded",
     "load_config",
     "load_model",
     "logical_axes",
     "logical_partition_specs",
     "save_model",
+    "shard_model",
+    "state_shardings",
 ]

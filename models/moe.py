@@ -4,6 +4,9 @@ Every token reaches all of its top-k experts, whatever the routing imbalance: th
 (token, expert) pairs are sorted by expert and multiplied with ``jax.lax.ragged_dot``
 (one group per expert), so there is no capacity and nothing is dropped. A token dropped
 in training but not in sampling would silently corrupt RL log-probs.
+
+Under a device mesh (``jax.set_mesh``, e.g. via ``models.sharding.jit_sharded``) the
+experts run expert-parallel: ``models.expert_parallel``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import expert_parallel
 from models.config import ModelConfig
+from models.experts import dropless_experts
 from models.layers import param
 
 
@@ -49,38 +54,6 @@ def route(logits: jax.Array, top_k: int, norm_topk_prob: bool):
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return probs, weights, experts.astype(jnp.int32)
-
-
-def dropless_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array,
-                     up: jax.Array, down: jax.Array) -> jax.Array:
-    """``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])`` for every token, no drops.
-
-    The ``T * k`` (token, expert) pairs are sorted by expert id; each SwiGLU projection is
-    a ``ragged_dot`` whose groups are the experts' contiguous runs; results are unsorted
-    and combined in float32.
-
-    Args:
-      x: ``[T, H]`` compute dtype.
-      experts: int32 ``[T, k]`` expert ids in ``[0, E)``.
-      weights: float32 ``[T, k]`` combine weights.
-      gate, up: ``[E, H, I]``; down: ``[E, I, H]``; same dtype as ``x``.
-
-    Returns:
-      ``[T, H]`` in the dtype of ``x``.
-    """
-    num_tokens, top_k = experts.shape
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    group_sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
-    xs = x[order // top_k]
-
-    def grouped(lhs, rhs):
-        out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
-        return out.astype(x.dtype)
-
-    hidden = jax.nn.silu(grouped(xs, gate)) * grouped(xs, up)
-    out = grouped(hidden, down)[jnp.argsort(order)].reshape(num_tokens, top_k, -1)
-    return jnp.einsum("tkh,tk->th", out.astype(jnp.float32), weights).astype(x.dtype)
 
 
 class MoE(nnx.Module):
@@ -120,8 +93,13 @@ class MoE(nnx.Module):
         logits = jnp.einsum("th,he->te", flat, self.router[...].astype(dt),
                             preferred_element_type=jnp.float32)
         probs, weights, experts = route(logits, self.top_k, self.norm_topk_prob)
-        y = dropless_experts(flat, experts, weights, self.gate_proj[...].astype(dt),
-                             self.up_proj[...].astype(dt), self.down_proj[...].astype(dt))
+        params = (self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt),
+                  self.down_proj[...].astype(dt))
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            y = dropless_experts(flat, experts, weights, *params)
+        else:
+            y = expert_parallel.dropless_experts(flat, experts, weights, *params, mesh=mesh)
         m = token_mask.reshape(-1).astype(jnp.float32)
         onehot = jax.nn.one_hot(experts, probs.shape[-1], dtype=jnp.float32).sum(axis=1)
         stats = RouterStats(m @ onehot, m @ probs, jnp.sum(m))

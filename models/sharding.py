@@ -1,13 +1,21 @@
-"""Logical axis names of the decoder's parameters, for mapping onto a device mesh.
+"""Logical axis names of the decoder's parameters and their placement on a device mesh.
 
 Every parameter carries one logical name per dimension (``nnx.Param`` metadata
-``out_sharding``, stored without a mesh). A sharding layer maps the names to mesh axes
-with rules such as ``(("vocab", "model"), ("embed", "fsdp"), ("expert", "expert"))``.
+``out_sharding``, stored without a mesh). ``DEFAULT_RULES`` map the names to the axes of
+``jaxhead.mesh`` (``data, fsdp, expert, tensor``); ``state_shardings`` turns a state into
+``NamedSharding`` s, ``shard_model`` / ``init_sharded`` place a model, ``jit_sharded``
+compiles a step under the mesh.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
+import jax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 #: Every logical axis name a parameter may use.
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "expert")
@@ -43,3 +51,123 @@ def logical_partition_specs(model: nnx.Module) -> nnx.State:
     """
     logical_axes(model)
     return nnx.get_partition_spec(nnx.state(model, nnx.Param))
+
+
+#: Logical axis -> mesh axis (or None: replicated), for the ``jaxhead.mesh`` axes:
+#: experts over ``expert``; the hidden ("embed") dimension over ``fsdp`` (ZeRO-3);
+#: heads, MLP width and vocabulary over ``tensor`` (Megatron); ``head_dim`` replicated.
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("expert", "expert"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("head_dim", None),
+)
+
+
+def logical_to_mesh(names, mesh, rules=DEFAULT_RULES, shape=None, what="array") -> P:
+    """The ``PartitionSpec`` of an array whose dimensions have logical ``names``.
+
+    Each name maps to the mesh axes ``rules`` give it; axes the mesh lacks, and axes an
+    earlier dimension already uses, are dropped; names without a rule are replicated.
+
+    Args:
+      names: one logical name (or None) per dimension.
+      mesh: a ``Mesh`` / ``AbstractMesh``.
+      rules: ``(logical name, mesh axis | tuple of axes | None)`` pairs.
+      shape: the array's shape, to check divisibility.
+      what: the array's name for errors.
+
+    Raises:
+      ValueError: a dimension not divisible by the devices of its mesh axes (the array,
+        dimension, sizes and axes named).
+    """
+    table = dict(rules)
+    sizes = dict(mesh.shape)
+    used: set[str] = set()
+    spec = []
+    for dim, name in enumerate(names):
+        axes = table.get(name)
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        axes = tuple(a for a in axes if a in sizes and a not in used)
+        devices = math.prod(sizes[a] for a in axes)
+        if shape is not None and shape[dim] % devices:
+            raise ValueError(
+                f"{what} of shape {tuple(shape)}: dimension {dim} ({name}) of size {shape[dim]}"
+                f" is not divisible by the {devices} devices of mesh axes {axes}"
+            )
+        used.update(axes)
+        spec.append(axes[0] if len(axes) == 1 else axes or None)
+    return P(*spec)
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.State:
+    """``state`` (parameters, optimizer state, any ``nnx.State``) with every variable's
+    value replaced by its ``NamedSharding``: the logical axes in its ``out_sharding``
+    metadata mapped by ``rules`` (``logical_to_mesh``); variables without one (step
+    counters, RNG state) are replicated. Usable as ``jax.jit`` in/out shardings and with
+    ``jax.device_put``.
+
+    Raises:
+      ValueError: as ``logical_to_mesh`` (the variable's path is named).
+    """
+    flat = []
+    for path, var in nnx.to_flat_state(state):
+        names = var.get_metadata().get("out_sharding")
+        shape = getattr(var, "shape", ())
+        if names is None or len(names) != len(shape):
+            spec = P()
+        else:
+            spec = logical_to_mesh(names, mesh, rules, shape, "/".join(map(str, path)))
+        flat.append((path, var.replace(NamedSharding(mesh, spec))))
+    return nnx.from_flat_state(flat)
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.State:
+    """Move every variable of ``model`` onto ``mesh`` by ``rules``, in place.
+
+    For a model built or loaded on the host (e.g. ``models.load_model``); to create a
+    large model directly sharded use ``init_sharded``.
+
+    Returns:
+      The shardings (``state_shardings(nnx.state(model), mesh, rules)``).
+    """
+    state = nnx.state(model)
+    shardings = state_shardings(state, mesh, rules)
+    nnx.update(model, jax.device_put(state, shardings))
+    return shardings
+
+
+def init_sharded(factory, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.Module:
+    """``factory()`` (e.g. ``lambda: Transformer(cfg, rngs=nnx.Rngs(0))``) created directly
+    in its sharded layout: the initialisers run under ``jax.jit`` with the rules'
+    out-shardings, so no device ever holds the whole model.
+    """
+    abstract = nnx.eval_shape(factory)
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = state_shardings(abstract_state, mesh, rules)
+    init = jax.jit(lambda: nnx.state(factory()), out_shardings=shardings)
+    with jax.set_mesh(mesh):
+        return nnx.merge(graphdef, init())
+
+
+def jit_sharded(fn, mesh: Mesh, **jit_kwargs):
+    """``jax.jit(fn, **jit_kwargs)`` (``in_shardings`` / ``out_shardings`` / ``donate_argnums``
+    ...) traced and run under ``jax.set_mesh(mesh)``, which the expert-parallel MoE needs
+    to see the mesh. The result also has ``.lower(*args)`` (for HLO and memory analysis).
+    """
+    jitted = jax.jit(fn, **jit_kwargs)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return jitted(*args, **kwargs)
+
+    def lower(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return jitted.lower(*args, **kwargs)
+
+    call.lower = lower
+    return call

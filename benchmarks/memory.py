@@ -1,0 +1,152 @@
+"""Per-device memory of a sharded RL train step, from XLA's compiled memory analysis.
+
+Nothing is allocated: the step is lowered on abstract shapes (``jax.ShapeDtypeStruct``)
+for a mesh of fake CPU devices and compiled; ``Compiled.memory_analysis()`` then gives the
+per-device sizes of XLA's buffer assignment. The step is GRPO-shaped: decoder forward
+(expert-parallel MoE), sharded jaxhead head on the kept tokens,
+``-mean(adv * logp) + aux`` loss, backward, Adam update (float32 ``m`` and ``v``), with
+the parameters and optimizer state donated. CPU buffer assignment approximates what a
+TPU or GPU compile would do (same program, different fusion and scheduling).
+
+    python benchmarks/memory.py                                  # Qwen3-30B-A3B, 64 devices
+    python benchmarks/memory.py --mesh fsdp=4,expert=8,tensor=2 --vocab-axis tensor
+    python benchmarks/memory.py --mesh fsdp=2,expert=4 --seq 512 --layers 2   # quick
+
+Prints one markdown table row per mesh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+GIB = 2**30
+
+
+def _adam(params, grads, m, v, step, lr=1e-6, b1=0.9, b2=0.999, eps=1e-8):
+    """One Adam update; ``m``, ``v`` float32 like the parameters."""
+    import jax
+    import jax.numpy as jnp
+
+    m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g.astype(jnp.float32), m, grads)
+    v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * jnp.square(g.astype(jnp.float32)), v,
+                     grads)
+    c1, c2 = 1 - b1 ** step, 1 - b2 ** step
+    params = jax.tree.map(
+        lambda p, m, v: (p - lr * (m / c1) / (jnp.sqrt(v / c2) + eps)).astype(p.dtype),
+        params, m, v)
+    return params, m, v
+
+
+def _shard_bytes(abstract, shardings) -> int:
+    """Bytes one device holds of the arrays ``abstract`` laid out by ``shardings``."""
+    import jax
+
+    return sum(
+        math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+        for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings), strict=True)
+    )
+
+
+def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, keep: float,
+            layers: int, vocab_axis: str | None = None) -> dict:
+    """Compile the train step for ``mesh_sizes`` on abstract shapes; per-device GiB."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import jaxhead
+    from jaxhead.mesh import batch_sharding, make_mesh
+    from models import Transformer, get_config, jit_sharded, state_shardings
+
+    cfg = get_config(preset, dtype="bfloat16", param_dtype="float32")
+    if layers:
+        cfg = cfg.replace(num_hidden_layers=layers)
+    mesh = make_mesh(mesh_sizes, devices=jax.devices()[: math.prod(mesh_sizes.values())])
+    shards = jaxhead.mesh.axis_size(mesh, jaxhead.mesh.BATCH_AXES)
+    batch = batch or shards
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    p_shard = state_shardings(params, mesh)
+    f32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params)
+    per_shard = batch * seq // shards
+    bucket = jaxhead.bucket_size(math.ceil(keep * per_shard), per_shard)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    data = {"tokens": tokens, "positions": tokens, "segment_ids": tokens, "labels": tokens,
+            "keep": jax.ShapeDtypeStruct((batch, seq), jnp.bool_),
+            "advantages": jax.ShapeDtypeStruct((batch, seq), jnp.float32)}
+
+    def step(params, m, v, data):
+        def loss_fn(params):
+            model = nnx.merge(graphdef, params)
+            out = model(data["tokens"], data["positions"], data["segment_ids"])
+            head = model.lm_head.sharded(out.hidden, data["labels"], data["keep"],
+                                         bucket=bucket, vocab_axis=vocab_axis)
+            count = jnp.maximum(jnp.sum(data["keep"]), 1)
+            return (-jnp.sum(data["advantages"] * head.logprobs) / count
+                    + cfg.router_aux_loss_coef * out.aux_loss)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        params, m, v = _adam(params, grads, m, v, 1)
+        return params, m, v, loss
+
+    b_shard = batch_sharding(mesh)
+    run = jit_sharded(step, mesh, in_shardings=(p_shard, p_shard, p_shard, b_shard),
+                      out_shardings=(p_shard, p_shard, p_shard, None),
+                      donate_argnums=(0, 1, 2))
+    mem = run.lower(params, f32, f32, data).compile().memory_analysis()
+    param_bytes = _shard_bytes(params, p_shard)  # exact: the shards' sizes
+    adam_bytes = 2 * _shard_bytes(f32, p_shard)
+    peak = (mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
+            - mem.alias_size_in_bytes)
+    return {
+        "preset": preset + (f" ({layers} layers)" if layers else ""),
+        "mesh": (" x ".join(f"{k}={v}" for k, v in mesh_sizes.items() if v > 1) or "1")
+        + (f", vocab over {vocab_axis}" if vocab_axis else ""),
+        "devices": math.prod(mesh_sizes.values()), "tokens": per_shard,
+        "params": param_bytes / GIB, "adam": adam_bytes / GIB,
+        "temp": mem.temp_size_in_bytes / GIB, "peak": peak / GIB,
+    }
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"fsdp=8,expert=8"`` -> ``{"fsdp": 8, "expert": 8}`` (unnamed axes are 1)."""
+    sizes = {"data": 1}
+    for part in filter(None, text.split(",")):
+        name, value = part.split("=")
+        sizes[name.strip()] = int(value)
+    return sizes
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="qwen3-30b-a3b")
+    parser.add_argument("--mesh", action="append", default=None,
+                        help="axis sizes, e.g. fsdp=8,expert=8 (repeatable)")
+    parser.add_argument("--batch", type=int, default=0,
+                        help="global sequences (default: one per device)")
+    parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
+    parser.add_argument("--keep", type=float, default=0.5,
+                        help="fraction of tokens a loss reads (sizes the head's bucket)")
+    parser.add_argument("--layers", type=int, default=0, help="override num_hidden_layers")
+    parser.add_argument("--vocab-axis", default=None,
+                        help="mesh axis of a vocab-parallel head (e.g. tensor)")
+    args = parser.parse_args(argv)
+    meshes = [parse_mesh(m) for m in (args.mesh or ["fsdp=8,expert=8"])]
+    devices = max(math.prod(m.values()) for m in meshes)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={devices}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    print("| preset | mesh | devices | tokens/device | params GiB | Adam m+v GiB | "
+          "temporaries GiB | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mesh in meshes:
+        row = measure(args.preset, mesh, batch=args.batch, seq=args.seq, keep=args.keep,
+                      layers=args.layers, vocab_axis=args.vocab_axis)
+        print("| {preset} | {mesh} | {devices} | {tokens} | {params:.3g} | {adam:.3g} | "
+              "{temp:.3g} | {peak:.3g} |".format(**row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""The head under a device mesh: tokens split over the data-like axes, each shard compacts
+its own kept tokens into one static bucket, optionally the vocabulary split over one axis.
+
+``sharded_token_logprobs`` runs ``jaxhead.token_logprobs`` per token shard inside
+``jax.shard_map``: no token ever moves between devices, each shard gathers its kept rows
+into ``bucket`` slots (the same static size on every shard, so one compiled program),
+and results come back split like the inputs. With ``vocab_axis`` the head weight is split
+over that axis by columns and each device scans only its columns; the per-row log-sum-exp
+statistics are combined with ``pmax`` / ``psum`` (``jaxhead.vocab_parallel``, after
+Megatron-LM's vocab-parallel cross-entropy).
+
+The bucket is a host decision: ``bucket_for_shards`` counts the kept tokens of every
+shard, takes the largest count (agreed over processes with a collective on several
+hosts), and rounds it up to the bucket ladder.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxhead import validation, vocab_parallel, xla
+from jaxhead.buckets import DEFAULT_GROWTH, DEFAULT_MULTIPLE, bucket_size
+from jaxhead.head import run_compacted, token_logprobs
+from jaxhead.mesh import BATCH_AXES, axis_size, check_divisible, present
+from jaxhead.types import HeadOutput
+
+
+def _local_max_count(keep, shards, token_axes) -> tuple[int, int]:
+    """``(largest kept count of a token shard held by this process, tokens per shard)``."""
+    if isinstance(keep, jax.Array) and not keep.is_fully_addressable:
+        if isinstance(shards, int):
+            raise ValueError("a keep array spread over processes needs the mesh, not a count")
+        check_divisible(keep.shape[0], shards, token_axes, "keep")
+        num = axis_size(shards, token_axes)
+        want = (keep.shape[0] // num,) + keep.shape[1:]
+        got = tuple(keep.sharding.shard_shape(keep.shape))
+        if got != want:
+            raise ValueError(
+                f"keep is split into shards of shape {got}, but the {num} token shards of "
+                f"{token_axes} have shape {want}; pass a host array instead"
+            )
+        counts = [int(np.count_nonzero(np.asarray(s.data))) for s in keep.addressable_shards]
+        return max(counts), math.prod(want)
+    keep = np.asarray(keep)
+    local = shards if isinstance(shards, int) else (
+        axis_size(shards, token_axes) // jax.process_count())
+    if local < 1 or keep.shape[0] % local:
+        raise ValueError(
+            f"keep has {keep.shape[0]} rows on this process, not divisible by its {local} "
+            f"token shards"
+        )
+    return int(keep.reshape(local, -1).sum(axis=1).max()), keep.size // local
+
+
+def max_shard_count(keep, shards: int | Mesh, token_axes: Sequence[str] | None = None):
+    """``(largest number of kept tokens in one token shard, tokens per shard)``, agreed
+    over processes; see ``bucket_for_shards`` for the arguments."""
+    if not isinstance(shards, int):
+        token_axes = present(shards, BATCH_AXES) if token_axes is None else tuple(token_axes)
+    count, per_shard = _local_max_count(keep, shards, token_axes)
+    if jax.process_count() > 1:
+        count = int(np.max(multihost_utils.process_allgather(np.int32(count))))
+    return count, per_shard
+
+
+def bucket_for_shards(
+    keep,
+    shards: int | Mesh,
+    token_axes: Sequence[str] | None = None,
+    *,
+    multiple: int = DEFAULT_MULTIPLE,
+    growth: float = DEFAULT_GROWTH,
+) -> int:
+    """The static bucket for ``sharded_token_logprobs``: the ladder rung (``bucket_size``)
+    that holds the largest number of kept tokens of any token shard. Runs on the host,
+    before the step.
+
+    Args:
+      keep: bool ``[B, ...]``, split into shards along its leading axis. Either a host
+        array (or fully addressable ``jax.Array``) of the rows this process feeds (one
+        process: the whole batch), or a global ``jax.Array`` spread over several
+        processes and split over the token axes (this process's shards are counted).
+      shards: the mesh (then the token shards are ``token_axes``; a host ``keep`` holds
+        ``shards / jax.process_count()`` of them), or the number of shards a host ``keep``
+        splits into.
+      token_axes: mesh axes the tokens are split over (None: the ``BATCH_AXES`` the mesh
+        has).
+      multiple, growth: the ladder (``jaxhead.bucket_size``).
+
+    Returns:
+      An int, the same on every process: with several processes the local maxima are
+      exchanged with ``multihost_utils.process_allgather`` (every process must call this).
+
+    Raises:
+      ValueError: rows not divisible by the shards (both numbers named), or a global
+        ``keep`` whose sharding does not split it over the token axes.
+    """
+    count, per_shard = max_shard_count(keep, shards, token_axes)
+    return bucket_size(count, per_shard, multiple=multiple, growth=growth)
+
+
+def _check_axes(mesh, token_axes, vocab_axis, vocab_size, impl):
+    names = tuple(mesh.axis_names)
+    unknown = [a for a in (*token_axes, *(() if vocab_axis is None else (vocab_axis,)))
+               if a not in names]
+    if unknown:
+        raise ValueError(f"mesh axes {unknown} are not in the mesh, whose axes are {names}")
+    if vocab_axis is None:
+        return
+    if vocab_axis in token_axes:
+        raise ValueError(
+            f"vocab_axis={vocab_axis!r} is also a token axis {token_axes}: the devices of "
+            f"the vocab axis must see the same tokens"
+        )
+    n = axis_size(mesh, vocab_axis)
+    if vocab_size % n:
+        raise ValueError(
+            f"vocab size {vocab_size} is not divisible by the {n} devices of vocab_axis "
+            f"{vocab_axis!r}"
+        )
+    if impl not in ("auto", "xla"):
+        raise ValueError(f"the vocab-parallel head runs the XLA path; impl={impl!r} given")
+
+
+def _fully_known(*xs) -> bool:
+    return all(
+        x is None or (validation.is_concrete(x) and getattr(x, "is_fully_addressable", True))
+        for x in xs
+    )
+
+
+def sharded_token_logprobs(
+    hidden: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    keep: jax.Array | None = None,
+    *,
+    mesh: Mesh | None = None,
+    token_axes: Sequence[str] | None = None,
+    vocab_axis: str | None = None,
+    bucket: int | None = None,
+    temperature=1.0,
+    softcap: float | None = None,
+    with_entropy: bool = True,
+    impl: str = "auto",
+    token_chunk: int = xla.DEFAULT_TOKEN_CHUNK,
+    vocab_chunk: int = xla.DEFAULT_VOCAB_CHUNK,
+    blocks=None,
+) -> HeadOutput:
+    """``jaxhead.token_logprobs`` with the tokens split over mesh axes, compacted per shard.
+
+    The leading axis of ``hidden`` / ``labels`` / ``keep`` / a per-token ``temperature``
+    is split over ``token_axes``; every token shard compacts its kept tokens into
+    ``bucket`` slots and runs the head on them (``jax.shard_map``). Without
+    ``vocab_axis``, ``weight`` is used whole on every device (the compiler gathers it if
+    it is stored sharded), and every ``impl`` is available. With ``vocab_axis``, device
+    ``k`` of that axis uses columns ``[k V/n, (k+1) V/n)`` of ``weight`` (XLA path) and
+    the statistics are combined over the axis (``jaxhead.vocab_parallel``); the tokens are
+    replicated over it (the compiler gathers ``hidden`` over that axis if it arrives split
+    there: ``[N/shards, H]`` rows, much less than the ``[H, V]`` weight).
+
+    Works eagerly and under ``jax.jit`` (in/out shardings or not).
+
+    Args:
+      hidden: ``[B, ..., H]`` float; weight: ``[H, V]``, same dtype.
+      labels: int ``[B, ...]``; keep: bool ``[B, ...]`` or None (all tokens).
+      mesh: the device mesh (``jaxhead.mesh.make_mesh``); None: the mesh set with
+        ``jax.set_mesh``.
+      token_axes: mesh axes the leading axis is split over (None: the ``BATCH_AXES``
+        ``("data", "fsdp", "expert")`` that the mesh has).
+      vocab_axis: mesh axis the vocabulary is split over, or None.
+      bucket: static number of slots per token shard (``bucket_for_shards`` on the host).
+        None: with a concrete ``keep``, chosen here by ``bucket_for_shards``; with a traced
+        one, the shard's token count (correct, no saving).
+      temperature, softcap, with_entropy, impl, token_chunk, vocab_chunk, blocks: as
+        ``jaxhead.token_logprobs`` (``impl`` must be ``"auto"`` or ``"xla"`` with
+        ``vocab_axis``).
+
+    Returns:
+      ``HeadOutput(logprobs, entropy)`` float32 ``[B, ...]``, split like ``labels``; 0
+      (and zero gradient) where not kept; NaN for a kept token that overflows its shard's
+      bucket under ``jit``. Differentiable w.r.t. ``hidden`` and ``weight``.
+
+    Raises:
+      ValueError: as ``jaxhead.token_logprobs``; a leading axis not divisible by the token
+        shards or a vocabulary not divisible by the vocab axis (both numbers named); mesh
+        axes that the mesh lacks; a vocab axis that is also a token axis; a kernel impl
+        with ``vocab_axis``; with a concrete ``keep``, a bucket smaller than a shard's
+        kept count. No mesh given or set.
+      TypeError: as ``jaxhead.token_logprobs``.
+    """
+    validation.check_inputs(hidden, weight, labels, keep, temperature, softcap)
+    if _fully_known(labels, keep, temperature):
+        validation.check_values(labels, keep, temperature, weight.shape[1])
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if mesh.empty:
+        raise ValueError("no mesh: pass mesh= or call under jax.set_mesh(mesh)")
+    token_axes = present(mesh, BATCH_AXES) if token_axes is None else tuple(token_axes)
+    _check_axes(mesh, token_axes, vocab_axis, weight.shape[1], impl)
+    if labels.ndim < 1:
+        raise ValueError(f"labels need a leading batch axis to split, got shape {labels.shape}")
+    check_divisible(labels.shape[0], mesh, token_axes, "the head's batch")
+    if keep is not None and _fully_known(keep):
+        needed, per_shard = max_shard_count(keep, mesh, token_axes)
+        if bucket is None:
+            bucket = bucket_size(needed, per_shard)
+        elif needed > bucket:
+            raise ValueError(
+                f"bucket={bucket} is smaller than the {needed} kept tokens of the fullest "
+                f"token shard; use jaxhead.bucket_for_shards(keep, mesh)"
+            )
+
+    temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), labels.shape)
+    tok = P(token_axes or None)
+    args = [hidden, weight, labels, temp] + ([] if keep is None else [keep])
+    specs = [tok, P(None, vocab_axis), tok, tok] + ([] if keep is None else [tok])
+
+    def body(h, w, y, t, k=None):
+        w = jax.lax.pcast(w, token_axes, to="varying") if token_axes else w
+        if vocab_axis is None:
+            out = token_logprobs(
+                h, w, y, k, temperature=t, softcap=softcap, with_entropy=with_entropy,
+                bucket=bucket, impl=impl, token_chunk=token_chunk, vocab_chunk=vocab_chunk,
+                blocks=blocks,
+            )
+            ent = out.entropy if with_entropy else jnp.zeros_like(out.logprobs)
+            return out.logprobs, ent
+        return vocab_parallel_shard(h, w, y, t, k)
+
+    def vocab_parallel_shard(h, w, y, t, k):
+        n, hs = math.prod(y.shape), h.shape[-1]
+        rows = n if k is None else min(n if bucket is None else bucket, n)
+        cfg, padded = xla.make_config(
+            rows, hs, w.shape[1], h.dtype, softcap=softcap, with_entropy=with_entropy,
+            token_chunk=token_chunk, vocab_chunk=vocab_chunk,
+        )
+
+        def head(cfg, *a):
+            return vocab_parallel.chunked_head(cfg, vocab_axis, *a)
+
+        inv_temp = jax.lax.stop_gradient(1.0 / t).reshape(n)
+        logp, ent = run_compacted(
+            head, cfg, padded, h.reshape(n, hs), w, y.reshape(n).astype(jnp.int32),
+            inv_temp, None if k is None else k.reshape(n),
+        )
+        return logp.reshape(y.shape), ent.reshape(y.shape)
+
+    run = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=(tok, tok))
+    logp, ent = run(*args)
+    return HeadOutput(logp, ent if with_entropy else None)
