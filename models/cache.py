@@ -66,13 +66,37 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
     return KVCache(zeros, zeros, ids, ids, jnp.zeros((), jnp.int32))
 
 
+def check_room(cache: KVCache, num_new: int):
+    """Whether ``num_new`` tokens overflow the free slots ``[index, L)`` of ``cache``.
+
+    Raises ``ValueError`` naming the numbers when that is known on the host (``num_new >
+    L``, or a concrete ``index``); otherwise returns a traced bool scalar that the decoder
+    turns into NaN hidden states, since ``dynamic_update_slice`` would clamp the write
+    and silently overwrite the last slots.
+    """
+    slots = cache.positions.shape[1]
+    if num_new > slots:
+        raise ValueError(f"{num_new} new tokens do not fit in a KV cache of {slots} slots")
+    try:
+        index = int(cache.index)
+    except (jax.errors.ConcretizationTypeError, TypeError):
+        return cache.index + num_new > slots
+    if index + num_new > slots:
+        raise ValueError(
+            f"KV cache overflow: {num_new} new tokens at slot {index} need "
+            f"{index + num_new} slots, the cache has {slots}; size it for the prompt plus "
+            f"every decode step (init_cache max_len)"
+        )
+    return None
+
+
 def write_tokens(cache: KVCache, positions: jax.Array, segment_ids: jax.Array) -> KVCache:
     """``cache`` with the positions and segment ids ``[B, T]`` of the new tokens written at
     slots ``[index, index + T)``; keys, values and ``index`` unchanged (each layer writes
     its keys and values, see ``write_kv``; the decoder then moves ``index`` by T).
 
-    Out-of-range writes are clamped by ``lax.dynamic_update_slice``: size the cache for
-    the prompt plus all decode steps.
+    The caller checks the room first (``check_room``): ``lax.dynamic_update_slice``
+    would clamp an out-of-range write.
     """
     start = (0, cache.index)
     pos = jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), start)

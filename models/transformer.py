@@ -11,7 +11,7 @@ from flax import nnx
 
 import jaxhead
 from models.attention import Attention
-from models.cache import KVCache, init_cache, layer_view, write_tokens
+from models.cache import KVCache, check_room, init_cache, layer_view, write_tokens
 from models.config import ModelConfig
 from models.layers import MLP, RMSNorm, embedding
 from models.moe import MoE, load_balancing_loss
@@ -119,7 +119,8 @@ class Transformer(nnx.Module):
 
         Raises:
           ValueError: ``tokens``, ``positions`` and ``segment_ids`` shapes differ or are
-            not 2-D.
+            not 2-D; the T new tokens do not fit in the cache's free slots (checked
+            eagerly; under ``jit`` the hidden states come out NaN instead).
         """
         shapes = {tuple(a.shape) for a in (tokens, positions, segment_ids)}
         if len(shapes) != 1 or len(tokens.shape) != 2:
@@ -127,7 +128,9 @@ class Transformer(nnx.Module):
                 f"tokens, positions, segment_ids must share one [B, T] shape, got "
                 f"{tokens.shape}, {positions.shape}, {segment_ids.shape}"
             )
+        overflow = None
         if cache is not None:
+            overflow = check_room(cache, tokens.shape[1])
             cache = write_tokens(cache, positions, segment_ids)
         x = self.embed_tokens(tokens)
         keys, values, stats = [], [], []
@@ -143,7 +146,10 @@ class Transformer(nnx.Module):
             cache = cache._replace(keys=tuple(keys), values=tuple(values),
                                    index=cache.index + tokens.shape[1])
         aux = load_balancing_loss(stats) if stats else jnp.zeros((), jnp.float32)
-        return DecoderOutput(self.norm(x), cache, aux)
+        hidden = self.norm(x)
+        if overflow is not None:  # traced index past the cache: NaN, never a wrong value
+            hidden = jnp.where(overflow, jnp.nan, hidden)
+        return DecoderOutput(hidden, cache, aux)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty ``KVCache`` of ``max_len`` slots per row (``models.cache.init_cache``)."""

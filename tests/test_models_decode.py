@@ -69,3 +69,25 @@ def test_greedy_decode_with_cache_matches_full_forward(preset):
     assert len(set(np.stack(tokens, 1).ravel().tolist())) > 4  # a non-degenerate decode
     err = np.abs(np.stack(step_logits) - np.stack(ref_logits)).max()
     assert err <= 1e-4, err
+
+
+def test_cache_overflow_is_an_error_eagerly_and_nan_under_jit():
+    model = random_model(get_config("tiny", dtype="float32"), seed=4)
+    tokens = random_tokens((1, 3), seed=21)
+    positions = jnp.arange(3)[None]
+    segments = jnp.ones((1, 3), jnp.int32)
+    cache = model.init_cache(1, 4)
+    out = model(tokens, positions, segments, cache)  # 3 of 4 slots
+    assert np.isfinite(np.asarray(out.hidden)).all()
+    with pytest.raises(ValueError, match="need 5 slots, the cache has 4"):
+        model(tokens[:, :2], positions[:, :2] + 3, segments[:, :2], out.cache)
+    with pytest.raises(ValueError, match="5 new tokens do not fit in a KV cache of 4"):
+        model(random_tokens((1, 5), seed=22), jnp.arange(5)[None],
+              jnp.ones((1, 5), jnp.int32), model.init_cache(1, 4))
+    _, jit_cache = cached_logits(model, model.init_cache(1, 4), tokens, positions, segments)
+    logits, _ = cached_logits(model, jit_cache, tokens[:, :2], positions[:, :2] + 3,
+                              segments[:, :2])
+    assert np.isnan(np.asarray(logits)).all()
+    logits, _ = cached_logits(model, jit_cache, tokens[:, :1], positions[:, :1] + 3,
+                              segments[:, :1])
+    assert np.isfinite(np.asarray(logits)).all()
