@@ -16,6 +16,11 @@ take part in ``logZ`` (the trainer's normaliser) but not in the arg-max, so the 
 follows ``softmax(l)`` restricted to the valid ids. For a trained model their mass is
 negligible; the difference is ``log(1 - p(invalid))`` per token.
 
+The noise is drawn as ``g_v = -log(E_v)`` with ``E_v = -log(u_v)`` exponential, and
+within a chunk the arg-max is taken as ``argmax exp(l_v - m) / E_v`` (the same order),
+reusing the ``exp`` the log-sum-exp computes anyway; ``u_v`` comes from a counter-based
+hash of a per-row seed and the vocab id (cheap next to a Threefry block per element).
+
 Memory is one ``[B, C]`` float32 tile, never ``[B, V]``. ``temperature == 0`` is greedy
 (arg-max of ``l`` at temperature 1, no noise). ``top_p_sample`` is the full-logits path
 for nucleus sampling.
@@ -77,8 +82,9 @@ def sample(
     Args:
       hidden: ``[B, H]`` final hidden states (bf16 / f32) of the positions to sample from.
       weight: ``[H, V]`` head weight, same dtype as ``hidden``.
-      key: a JAX PRNG key; the Gumbel noise of vocab chunk ``k`` comes from
-        ``fold_in(key, k)``, so a draw does not depend on anything but the key.
+      key: a JAX PRNG key: it draws one 32-bit seed per row, and the noise of vocab id
+        ``v`` in that row is a counter-based hash of (seed, v) (``_uniform``), so a draw
+        depends on nothing but the key (not on the chunking).
       temperature: float ``>= 0``, a Python number or a traced scalar (one compiled
         function then serves greedy and sampled decoding); 0 means greedy.
       softcap: soft-cap ``c`` of the head (``z = c tanh(u / c)``) or None.
@@ -105,7 +111,7 @@ def sample(
     sampled = temperature > 0
     inv_temp = jnp.full((rows,), jnp.where(sampled, 1.0 / jnp.where(sampled, temperature, 1.0),
                                            1.0))
-    noise_scale = sampled.astype(f32)  # 0: greedy
+    row_seed = _mix(jax.random.bits(key, (rows,), jnp.uint32))[:, None]
     init = (
         jnp.full((rows,), -jnp.inf, f32),  # running max of l (log-sum-exp)
         jnp.zeros((rows,), f32),  # sum exp(l - m)
@@ -118,20 +124,43 @@ def sample(
         m, s, best, tok, l_tok = carry
         l, _ = xla._logits_tile(h, w_c, inv_temp, cfg.softcap)
         m_new = jnp.maximum(m, l.max(axis=1))
-        s = s * jnp.exp(m - m_new) + jnp.exp(l - m_new[:, None]).sum(axis=1)
+        e = jnp.exp(l - m_new[:, None])
+        s = s * jnp.exp(m - m_new) + e.sum(axis=1)
         ids = lax.broadcasted_iota(jnp.int32, l.shape, 1) + off
-        noise = jax.random.gumbel(jax.random.fold_in(key, off), l.shape, f32)
-        score = jnp.where(ids < num_valid, l + noise_scale * noise, -jnp.inf)
-        j = jnp.argmax(score, axis=1)
-        c_best = jnp.take_along_axis(score, j[:, None], axis=1)[:, 0]
+        # Gumbel-max in the exponential domain: argmax_v (l_v + g_v) with
+        # g_v = -log(E_v), E_v ~ Exp(1), is argmax_v exp(l_v - m) / E_v.
+        expo = jnp.where(sampled, -jnp.log(_uniform(row_seed, ids)), 1.0)
+        race = jnp.where(ids < num_valid, e / expo, -1.0)
+        j = jnp.argmax(race, axis=1)
         c_l = jnp.take_along_axis(l, j[:, None], axis=1)[:, 0]
-        better = c_best > best
+        c_e = jnp.take_along_axis(expo, j[:, None], axis=1)[:, 0]
+        c_best = c_l - jnp.log(c_e)  # = l_j + g_j
+        better = (c_best > best) & (j.astype(jnp.int32) + off < num_valid)
         return (m_new, s, jnp.where(better, c_best, best),
                 jnp.where(better, j.astype(jnp.int32) + off, tok),
                 jnp.where(better, c_l, l_tok))
 
     m, s, _, tok, l_tok = xla._scan_vocab(cfg, step, init, weight, (h,))
     return Sample(tok, l_tok - (m + jnp.log(s)))
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    """A bijective 32-bit integer hash ("lowbias32", C. Wellons' hash-prospector):
+    xor-shift / multiply rounds with good avalanche; uint32 in, uint32 out."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _uniform(row_seed: jax.Array, ids: jax.Array) -> jax.Array:
+    """float32 uniforms in ``(0, 1)`` for ``(row, vocab id)``: a counter-based hash of the
+    row's random seed and the id (``mix(mix(id) ^ seed)``), 24 random bits. A few integer
+    operations per element instead of a Threefry block: the noise of a 151,936-entry
+    vocabulary would otherwise cost more than the head's matmul on a CPU."""
+    bits = _mix(_mix(ids.astype(jnp.uint32)) ^ row_seed)
+    return ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
 
 
 def top_p_sample(

@@ -25,6 +25,7 @@ def leaf_keys(cfg: ConfigDict, prefix: str = "") -> list[str]:
 
 
 def _load(path: str) -> ConfigDict:
+    """``get_config()`` of the config file ``path``."""
     spec = importlib.util.spec_from_file_location("_jaxhead_config", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

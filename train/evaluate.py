@@ -115,7 +115,7 @@ def report(before: EvalResult, after: EvalResult, title: str) -> str:
         d, sd = paired_change(b, a)
         unpaired = math.hypot(sb, sa)
         rows.append(f"| {name} | {mb:.4f} ± {sb:.4f} | {ma:.4f} ± {sa:.4f} | "
-                    f"{d:+.4f} ± {sd:.4f} | {d / unpaired:+.1f} |")
+                    f"{d:+.4f} ± {sd:.4f} | {d / unpaired if unpaired else float('nan'):+.1f} |")
     head = ("| metric | before GRPO | after GRPO | change (paired SE) | "
             "change / unpaired SE |\n|---|---|---|---|---|")
     return f"{title}\n{head}\n" + "\n".join(rows)

@@ -25,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app
+from absl import app, logging
 from tqdm import tqdm
 
 from train import cli, evaluate, packing, rl_loss, rollout, setup, steps
@@ -138,6 +138,7 @@ def train(cfg, s: setup.Setup, writer: MetricsWriter, start_params) -> tuple:
         params, opt_state = items["params"], items["opt_state"]
         key = jax.random.wrap_key_data(items["rng"]["key"])
         position, first = meta["data_position"], meta["step"] + 1
+        print(f"grpo: resuming from checkpoint step {meta['step']}", flush=True)
     stream = s.tasks.train_stream(cfg.data.train_seed, s.exclude, start=position)
     step_fn = steps.grpo_step(s.mdef, tx, lcfg, cfg.rollout.temperature, skip)
     ref_fn = steps.reference_logprobs(s.mdef, cfg.rollout.temperature, skip)
@@ -198,9 +199,10 @@ def train(cfg, s: setup.Setup, writer: MetricsWriter, start_params) -> tuple:
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     t_start = time.perf_counter()
     cfg = cli.config()
-    s = setup.build(cfg)
+    s = setup.build_or_exit(cfg)
     writer = MetricsWriter(s.workdir / "metrics.jsonl", enabled=jax.process_index() == 0,
                            tensorboard=cfg.metrics.tensorboard)
     if cfg.sft.steps > 0 and not cfg.init.sft_checkpoint:

@@ -4,6 +4,7 @@ eval set, model definition and initial parameters."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import models
@@ -75,6 +76,16 @@ def build(cfg) -> Setup:
     problems = tasks.eval_set(cfg.eval.size, cfg.data.eval_seed)
     return Setup(workdir, tok, tasks, problems, {p.question for p in problems}, mdef,
                  hf_params)
+
+
+def build_or_exit(cfg) -> Setup:
+    """``build(cfg)``; a bad config (unknown task, missing checkpoint directory, ...) exits
+    with status 1 and a one-line ``error: ...`` on stderr instead of a traceback."""
+    try:
+        return build(cfg)
+    except (ValueError, FileNotFoundError) as err:  # models.CheckpointError is a ValueError
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
 
 
 def initial_params(cfg, s: Setup) -> state.Params:

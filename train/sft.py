@@ -13,7 +13,7 @@ import time
 
 import jax
 import numpy as np
-from absl import app
+from absl import app, logging
 from tqdm import tqdm
 
 from train import cli, packing, setup, state, steps
@@ -46,6 +46,7 @@ def run_sft(cfg, s: setup.Setup, writer: MetricsWriter) -> state.Params:
             {"params": abstract, "opt_state": jax.eval_shape(tx.init, abstract)})
         params, opt_state = items["params"], items["opt_state"]
         position, first = meta["data_position"], meta["step"] + 1
+        print(f"sft: resuming from checkpoint step {meta['step']}", flush=True)
     stream = s.tasks.train_stream(cfg.data.train_seed, s.exclude, start=position)
     step_fn = steps.sft_step(s.mdef, tx, cfg.train.skip_unkept)
     bar = tqdm(total=total, initial=first - 1, desc="sft", disable=not writer.enabled)
@@ -79,10 +80,11 @@ def run_sft(cfg, s: setup.Setup, writer: MetricsWriter) -> state.Params:
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     cfg = cli.config()
     if cfg.sft.steps <= 0:
         raise app.UsageError("sft.steps must be > 0")
-    s = setup.build(cfg)
+    s = setup.build_or_exit(cfg)
     writer = MetricsWriter(s.workdir / "metrics.jsonl", enabled=jax.process_index() == 0,
                            tensorboard=cfg.metrics.tensorboard)
     run_sft(cfg, s, writer)
