@@ -7,6 +7,8 @@ Public API:
   next_token_labels         shift-left labels that respect packed segments
   bucket_size, bucket_ladder  static padded sizes for the kept set
   LMHead                    Flax NNX module owning or tying the head weight
+
+Sampling from the head (chunked Gumbel-max, no [B, V] logits): ``jaxhead.sampling``.
 """
 
 from jaxhead.buckets import bucket_ladder, bucket_size

@@ -51,12 +51,10 @@ def _complete_checkpoints(directory):
 
 def test_two_grpo_steps_end_to_end(tmp_path, env):
     work = tmp_path / "run"
-    t0 = time.perf_counter()
     # beta > 0: the reference forward and the KL metric run too
     out = subprocess.run(_cmd(work, "--config.loss.beta=0.01"), cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert time.perf_counter() - t0 < 240
     assert "before GRPO: 16 held-out problems" in out.stdout
     assert "after GRPO: 16 held-out problems" in out.stdout
     assert "| sampled reward (T=1) |" in out.stdout and "| greedy accuracy |" in out.stdout

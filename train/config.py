@@ -51,6 +51,8 @@ def base_config() -> ConfigDict:
         "steps": 0,             # 0: no SFT stage
         "batch_size": 32,       # sequences per step
         "row_len": 256,         # tokens per packed row
+        "row_multiple": 4,      # the number of rows is rounded up to a multiple of this
+        "bucket_multiple": 128,  # head bucket ladder: rungs are multiples of this
         "log_every": 10,
         "optim": _optim(2e-3, 50),
     })
@@ -79,6 +81,8 @@ def base_config() -> ConfigDict:
     c.train = ConfigDict({
         "steps": 0,             # GRPO steps
         "row_len": 256,         # tokens per packed row
+        "row_multiple": 4,      # the number of rows is rounded up to a multiple of this
+        "bucket_multiple": 128,  # head bucket ladder: rungs are multiples of this
         "skip_unkept": True,    # jaxhead on kept tokens only; False: every token (A/B)
         "log_every": 1,
         "optim": _optim(1e-4, 10),

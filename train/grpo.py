@@ -111,7 +111,8 @@ def pack_rollout(cfg, problems, ro: rollout.Rollout, advantages: np.ndarray
     comps = [ro.completion(i) for i in range(n)]
     adv = advantages.reshape(-1)
     return packing.pack(
-        [problems[i // g].prompt for i in range(n)], comps, cfg.train.row_len, row_multiple=4,
+        [problems[i // g].prompt for i in range(n)], comps, cfg.train.row_len,
+        row_multiple=cfg.train.row_multiple,
         values={"old_logp": [ro.logprobs[i, : len(c)] for i, c in enumerate(comps)],
                 "advantages": [np.full(len(c), adv[i], np.float32) for i, c in enumerate(comps)]})
 
@@ -155,7 +156,7 @@ def train(cfg, s: setup.Setup, writer: MetricsWriter, start_params) -> tuple:
         adv = rl_loss.group_advantages(rewards, cfg.loss.advantage)
         packed = pack_rollout(cfg, problems, ro, adv)
         b = steps.device_batch(packed, "old_logp", "advantages")
-        bucket = packed.bucket() if skip else 0
+        bucket = packed.bucket(cfg.train.bucket_multiple) if skip else 0
         ref = None
         if lcfg.beta > 0:
             ref = jax.block_until_ready(ref_fn(ref_params, b, bucket))
@@ -191,8 +192,6 @@ def train(cfg, s: setup.Setup, writer: MetricsWriter, start_params) -> tuple:
                   {"step": step, "data_position": position}, force=step == total)
         bar.update(1)
     bar.close()
-    if latest is not None and latest >= total:  # already finished: load the final params
-        params = ckpt.restore({"params": abstract})[0]["params"]
     ckpt.close()
     return params
 

@@ -50,9 +50,10 @@ class PackedBatch:
         """Positions any loss reads: the completion tokens' predecessors."""
         return int(np.count_nonzero(self.loss_mask))
 
-    def bucket(self) -> int:
-        """The head's static bucket for this batch (``jaxhead.bucket_size``)."""
-        return jaxhead.bucket_size(self.num_kept, self.loss_mask.size)
+    def bucket(self, multiple: int = 128) -> int:
+        """The head's static bucket for this batch: ``jaxhead.bucket_size`` with rungs that
+        are multiples of ``multiple`` (a coarser ladder compiles fewer step variants)."""
+        return jaxhead.bucket_size(self.num_kept, self.loss_mask.size, multiple=multiple)
 
 
 def assign_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:

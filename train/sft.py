@@ -57,9 +57,9 @@ def run_sft(cfg, s: setup.Setup, writer: MetricsWriter) -> state.Params:
         problems = [p for _, p in batch]
         packed = packing.pack([p.prompt for p in problems],
                               [s.tasks.target_ids(p.answer) for p in problems],
-                              cfg.sft.row_len, row_multiple=4)
+                              cfg.sft.row_len, row_multiple=cfg.sft.row_multiple)
         params, opt_state, m = step_fn(params, opt_state, steps.device_batch(packed),
-                                       bucket=packed.bucket())
+                                       bucket=packed.bucket(cfg.sft.bucket_multiple))
         if step % cfg.sft.log_every == 0 or step == total:
             m = {k: float(v) for k, v in jax.device_get(m).items()}
             seconds = time.perf_counter() - t0
