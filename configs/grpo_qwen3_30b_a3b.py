@@ -1,0 +1,42 @@
+"""GRPO of Qwen3-30B-A3B (MoE) from a local Hugging Face checkpoint directory:
+
+    python -m train.grpo --config=configs/grpo_qwen3_30b_a3b.py \
+        --config.model.hf_checkpoint=/path/to/Qwen3-30B-A3B
+
+bf16 parameters and compute; the head accumulates in float32 (jaxhead); the MoE
+load-balancing loss is added with the checkpoint's ``router_aux_loss_coef``.
+
+Scale note: the trainer itself runs the model replicated on the local devices; a 30B model
+needs the expert / FSDP sharding layer (``jaxhead.sharding``, mesh rules over the models'
+logical axes) to fit on a pod slice or GPU cluster. The sizes below are the run's intended
+shape.
+"""
+
+from train.config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.workdir = "runs/grpo_qwen3_30b_a3b"
+    c.model.hf_checkpoint = ""  # required: set it with --config.model.hf_checkpoint=DIR
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "bfloat16"
+    c.tokenizer = ""
+    c.data.tasks = "gsm_symbolic,basic_arithmetic,chain_sum"
+    c.data.max_prompt_len = 1024
+    c.rollout.prompts_per_step = 64
+    c.rollout.group_size = 16
+    c.rollout.max_new_tokens = 2048
+    c.train.row_len = 8192
+    c.train.steps = 1000
+    c.train.optim.lr = 1e-6
+    c.train.optim.warmup_steps = 20
+    c.train.optim.decay = "constant"
+    c.loss.beta = 0.0
+    c.loss.eps_high = 0.28
+    c.loss.aggregation = "token-mean"
+    c.checkpoint.every = 25
+    c.eval.size = 1024
+    c.eval.samples = 1
+    c.eval.batch = 256
+    return c
