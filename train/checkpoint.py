@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -44,6 +45,10 @@ class Checkpointer:
         """Save the pytrees ``items`` (name -> pytree of arrays, e.g. params, opt_state,
         rng) and ``meta`` (JSON) at ``step`` if the interval says so or ``force``; returns
         whether it saved. Blocks until written."""
+        if jax.process_count() > 1:  # arrays of one process only: saved from the host
+            items = jax.tree.map(
+                lambda x: np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable
+                else x, items)
         args = {name: ocp.args.StandardSave(tree) for name, tree in items.items()}
         saved = self._manager.save(
             step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args), force=force)
@@ -54,7 +59,9 @@ class Checkpointer:
                 ) -> tuple[dict[str, Any], dict]:
         """``(items, meta)`` of ``step`` (default: the latest). Only the items named in
         ``abstract_items`` are read, each shaped like its pytree of arrays or
-        ``jax.ShapeDtypeStruct``.
+        ``jax.ShapeDtypeStruct``; a leaf with a ``sharding`` is restored in that layout
+        (a checkpoint written on another device count or number of processes restores
+        into the current mesh), a NumPy leaf as a NumPy array.
 
         Raises:
           FileNotFoundError: no complete checkpoint in the directory (named).
@@ -63,8 +70,7 @@ class Checkpointer:
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
         args = {
-            name: ocp.args.StandardRestore(
-                jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree))
+            name: ocp.args.StandardRestore(jax.tree.map(_target, tree))
             for name, tree in abstract_items.items()
         }
         out = self._manager.restore(
@@ -73,6 +79,16 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _target(x):
+    """Restore target of a leaf: NumPy as NumPy, else shape, dtype and its sharding if any
+    (a ``NamedSharding``; a single-device array's own placement is not kept)."""
+    if isinstance(x, np.ndarray):
+        return x
+    sharding = getattr(x, "sharding", None)
+    keep = isinstance(sharding, jax.sharding.NamedSharding)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding if keep else None)
 
 
 def require_checkpoint(directory) -> Checkpointer:

@@ -28,7 +28,7 @@ import numpy as np
 from absl import app, logging
 from tqdm import tqdm
 
-from train import cli, evaluate, packing, rl_loss, rollout, setup, steps
+from train import cli, distributed, evaluate, packing, rl_loss, rollout, setup, steps
 from train.checkpoint import Checkpointer
 from train.metrics import MetricsWriter, peak_flops, peak_memory_bytes, train_step_flops
 from train.optim import make_optimizer
@@ -117,9 +117,11 @@ def pack_rollout(cfg, problems, ro: rollout.Rollout, advantages: np.ndarray
                 "advantages": [np.full(len(c), adv[i], np.float32) for i, c in enumerate(comps)]})
 
 
-def train(cfg, s: setup.Setup, writer: MetricsWriter, start_params) -> tuple:
+def train(cfg, s: setup.Setup, writer: MetricsWriter, start_params,
+          placement: distributed.Placement | None = None) -> tuple:
     """The GRPO loop (resumed from ``<workdir>/grpo`` if it has a checkpoint). Returns the
-    final params."""
+    final params. ``placement``: the mesh (``train.distributed``; None: from ``cfg.mesh``)."""
+    placement = placement or distributed.Placement.from_config(cfg, s.mdef)
     total = cfg.train.steps
     tx, lr = make_optimizer(cfg.train.optim, total)
     lcfg = loss_config(cfg)
@@ -131,18 +133,18 @@ def train(cfg, s: setup.Setup, writer: MetricsWriter, start_params) -> tuple:
     ref_params = start_params if lcfg.beta > 0 else None
     if latest is None:
         params = jax.tree.map(jnp.copy, start_params)  # the step donates its params
-        opt_state, position, first = tx.init(params), 0, 1
+        opt_state, position, first = placement.init_opt(tx, params), 0, 1
     else:
         items, meta = ckpt.restore({
-            "params": abstract, "opt_state": jax.eval_shape(tx.init, abstract),
-            "rng": {"key": jax.random.key_data(key)}})
+            **placement.abstract_state(tx, abstract),
+            "rng": {"key": np.asarray(jax.random.key_data(key))}})
         params, opt_state = items["params"], items["opt_state"]
         key = jax.random.wrap_key_data(items["rng"]["key"])
         position, first = meta["data_position"], meta["step"] + 1
         print(f"grpo: resuming from checkpoint step {meta['step']}", flush=True)
     stream = s.tasks.train_stream(cfg.data.train_seed, s.exclude, start=position)
-    step_fn = steps.grpo_step(s.mdef, tx, lcfg, cfg.rollout.temperature, skip)
-    ref_fn = steps.reference_logprobs(s.mdef, cfg.rollout.temperature, skip)
+    step_fn = steps.grpo_step(s.mdef, tx, lcfg, cfg.rollout.temperature, skip, placement)
+    ref_fn = steps.reference_logprobs(s.mdef, cfg.rollout.temperature, skip, placement)
     peak = peak_flops(cfg.metrics.peak_flops)
     bar = tqdm(total=total, initial=first - 1, desc="grpo", disable=not writer.enabled)
     for step in range(first, total + 1):
@@ -155,8 +157,8 @@ def train(cfg, s: setup.Setup, writer: MetricsWriter, start_params) -> tuple:
         t1 = time.perf_counter()
         adv = rl_loss.group_advantages(rewards, cfg.loss.advantage)
         packed = pack_rollout(cfg, problems, ro, adv)
-        b = steps.device_batch(packed, "old_logp", "advantages")
-        bucket = packed.bucket(cfg.train.bucket_multiple) if skip else 0
+        b = placement.device_batch(packed, "old_logp", "advantages")
+        bucket = placement.bucket(packed, cfg.train.bucket_multiple) if skip else 0
         ref = None
         if lcfg.beta > 0:
             ref = jax.block_until_ready(ref_fn(ref_params, b, bucket))
@@ -188,7 +190,7 @@ def train(cfg, s: setup.Setup, writer: MetricsWriter, start_params) -> tuple:
             })
             bar.set_postfix(reward=f"{rewards.mean():.3f}", acc=f"{correct.mean():.3f}")
         ckpt.save(step, {"params": params, "opt_state": opt_state,
-                         "rng": {"key": jax.random.key_data(key)}},
+                         "rng": {"key": np.asarray(jax.random.key_data(key))}},
                   {"step": step, "data_position": position}, force=step == total)
         bar.update(1)
     bar.close()
@@ -201,19 +203,24 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     t_start = time.perf_counter()
     cfg = cli.config()
+    distributed.initialize(cfg)  # before any other JAX call
     s = setup.build_or_exit(cfg)
+    placement = distributed.Placement.from_config(cfg, s.mdef)
+    with cfg.unlocked():  # packed rows split evenly over the batch shards
+        cfg.train.row_multiple = placement.row_multiple(cfg.train.row_multiple)
+        cfg.sft.row_multiple = placement.row_multiple(cfg.sft.row_multiple)
     writer = MetricsWriter(s.workdir / "metrics.jsonl", enabled=jax.process_index() == 0,
                            tensorboard=cfg.metrics.tensorboard)
     if cfg.sft.steps > 0 and not cfg.init.sft_checkpoint:
-        start = run_sft(cfg, s, writer)
+        start = run_sft(cfg, s, writer, placement)
     else:
-        start = setup.initial_params(cfg, s)
+        start = distributed.initial_params(cfg, s, placement)
     n = len(s.eval_problems)
     before = None
     if cfg.eval.before_after:
         before = held_out(cfg, s, start, "before", writer, 0)
         print(_summary(before, n, "before GRPO"), flush=True)
-    params = train(cfg, s, writer, start)
+    params = train(cfg, s, writer, start, placement)
     if before is not None:
         after = held_out(cfg, s, params, "after", writer, cfg.train.steps)
         print(_summary(after, n, "after GRPO"), flush=True)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhead import sampling
+from train import distributed
 from train.state import ModelDef, Params
 
 
@@ -127,7 +128,7 @@ def generate(mdef: ModelDef, params: Params, prompts, key: jax.Array, *, max_new
     nucleus = top_p < 1.0 and temperature > 0
     fn = _generator(mdef, max_new_tokens, float(top_p) if nucleus else None, tuple(stop_ids),
                     int(num_valid))
-    toks, lps, length, done = jax.device_get(
+    toks, lps, length, done = distributed.to_host(  # every process reads every row
         fn(params, padded, lens, key, jnp.float32(temperature)))
     path = sampling.PATH_TOP_P if nucleus else sampling.PATH_GUMBEL
     return Rollout(toks, lps, length, done, path)

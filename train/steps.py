@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 import jaxhead
-from train import rl_loss
+from train import distributed, rl_loss
 from train.packing import PackedBatch
 from train.state import ModelDef, Params
 
@@ -41,9 +41,9 @@ def _head(mdef: ModelDef, params: Params, b, *, skip: bool, bucket: int, tempera
     else:
         keep, bucket = None, None
         labels = jnp.where(b["labels"] >= 0, b["labels"], 0)
-    return model.token_logprobs(b["tokens"], b["positions"], b["segment_ids"], labels, keep,
-                                temperature=temperature, with_entropy=with_entropy,
-                                bucket=bucket)
+    return distributed.token_logprobs(model, b["tokens"], b["positions"], b["segment_ids"],
+                                      labels, keep, temperature=temperature,
+                                      with_entropy=with_entropy, bucket=bucket)
 
 
 def _aux_weight(mdef: ModelDef) -> float:
@@ -56,12 +56,14 @@ def _apply(tx, params, opt_state, grads):
 
 
 @functools.cache
-def sft_step(mdef: ModelDef, tx: optax.GradientTransformation, skip: bool = True):
+def sft_step(mdef: ModelDef, tx: optax.GradientTransformation, skip: bool = True,
+             placement=None):
     """Jitted ``(params, opt_state, batch, bucket) -> (params, opt_state, metrics)``.
 
     Loss: ``-sum(w logp) / sum(w)`` with CE weights ``w = loss_mask`` (completion tokens),
     plus the MoE load-balancing loss weighted by ``router_aux_loss_coef``. ``bucket`` is
     static. Metrics: ``loss``, ``nll`` (nats per completion token), ``grad_norm``.
+    ``placement``: a ``train.distributed.Placement`` (None: one device).
     """
 
     def loss_fn(params, b, bucket):
@@ -71,28 +73,28 @@ def sft_step(mdef: ModelDef, tx: optax.GradientTransformation, skip: bool = True
         nll = -(head.logprobs * w).sum() / jnp.maximum(w.sum(), 1.0)
         return nll + _aux_weight(mdef) * aux, nll
 
-    @functools.partial(jax.jit, static_argnames="bucket", donate_argnums=(0, 1))
     def step(params, opt_state, b, bucket):
         (loss, nll), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, b, bucket)
         params, opt_state, gnorm = _apply(tx, params, opt_state, grads)
         return params, opt_state, {"loss": loss, "nll": nll, "grad_norm": gnorm}
 
-    return step
+    return distributed.jit_step(step, placement, distributed.update_shardings(tx),
+                                static_argnames="bucket", donate_argnums=(0, 1))
 
 
 @functools.cache
-def reference_logprobs(mdef: ModelDef, temperature: float, skip: bool = True):
+def reference_logprobs(mdef: ModelDef, temperature: float, skip: bool = True,
+                       placement=None):
     """Jitted ``(params, batch, bucket) -> float32 [R, L]`` log-probs of the kept tokens
     (0 elsewhere) under ``params`` at ``temperature``: the frozen reference model's
     forward, through jaxhead on the kept tokens only (no logits kept)."""
 
-    @functools.partial(jax.jit, static_argnames="bucket")
     def ref(params, b, bucket):
         head, _ = _head(mdef, params, b, skip=skip, bucket=bucket, temperature=temperature,
                         with_entropy=False)
         return head.logprobs * b["loss_mask"]
 
-    return ref
+    return distributed.jit_step(ref, placement, lambda p: p.batch, static_argnames="bucket")
 
 
 def grpo_loss_fn(mdef: ModelDef, loss_cfg: rl_loss.LossConfig, temperature: float,
@@ -114,7 +116,7 @@ def grpo_loss_fn(mdef: ModelDef, loss_cfg: rl_loss.LossConfig, temperature: floa
 
 @functools.cache
 def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_loss.LossConfig,
-              temperature: float, skip: bool = True):
+              temperature: float, skip: bool = True, placement=None):
     """Jitted ``(params, opt_state, batch, ref_logp | None, num_seqs, bucket) ->
     (params, opt_state, metrics)``; ``num_seqs`` and ``bucket`` are static.
 
@@ -124,7 +126,6 @@ def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_los
     """
     loss_fn = grpo_loss_fn(mdef, loss_cfg, temperature, skip)
 
-    @functools.partial(jax.jit, static_argnames=("num_seqs", "bucket"), donate_argnums=(0, 1))
     def step(params, opt_state, b, ref_logp, num_seqs, bucket):
         (loss, (metrics, logp)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             params, b, ref_logp, num_seqs, bucket)
@@ -136,4 +137,5 @@ def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_los
                    "logprob_diff_max": gap.max()}
         return params, opt_state, metrics
 
-    return step
+    return distributed.jit_step(step, placement, distributed.update_shardings(tx),
+                                static_argnames=("num_seqs", "bucket"), donate_argnums=(0, 1))
