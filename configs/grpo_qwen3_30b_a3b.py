@@ -6,10 +6,9 @@
 bf16 parameters and compute; the head accumulates in float32 (jaxhead); the MoE
 load-balancing loss is added with the checkpoint's ``router_aux_loss_coef``.
 
-Scale note: the trainer itself runs the model replicated on the local devices; a 30B model
-needs the expert / FSDP sharding layer (``jaxhead.sharding``, mesh rules over the models'
-logical axes) to fit on a pod slice or GPU cluster. The sizes below are the run's intended
-shape.
+Mesh: experts over ``expert=8``, the other devices on ``fsdp`` (ZeRO-3), e.g. 64 chips of a
+pod slice = fsdp=8 x expert=8; launch one process per host (README, "Training on several
+hosts").
 """
 
 from train.config import base_config
@@ -36,6 +35,9 @@ def get_config():
     c.loss.eps_high = 0.28
     c.loss.aggregation = "token-mean"
     c.checkpoint.every = 25
+    c.mesh.data = 1
+    c.mesh.fsdp = -1  # every device the expert axis leaves
+    c.mesh.expert = 8
     c.eval.size = 1024
     c.eval.samples = 1
     c.eval.batch = 256

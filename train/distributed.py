@@ -48,7 +48,12 @@ from jax.sharding import PartitionSpec as P
 import jaxhead
 import models
 from jaxhead.mesh import (
-    BATCH_AXES, axis_size, batch_sharding, check_divisible, initialize_distributed, make_mesh,
+    BATCH_AXES,
+    axis_size,
+    batch_sharding,
+    check_divisible,
+    initialize_distributed,
+    make_mesh,
 )
 from train import state
 
@@ -206,9 +211,11 @@ class Placement:
         host = {k: getattr(packed, k) for k in steps.BATCH_KEYS}
         host.update({k: packed.values[k] for k in value_names})
         check_divisible(packed.tokens.shape[0], self.mesh)
-        return {k: jax.make_array_from_callback(
-            np.shape(v), self.batch, lambda idx, v=np.asarray(v): v[idx])
-            for k, v in host.items()}
+        def put(v):
+            v = np.asarray(v)
+            return jax.make_array_from_callback(v.shape, self.batch, lambda idx: v[idx])
+
+        return {k: put(v) for k, v in host.items()}
 
     def bucket(self, packed, multiple: int) -> int:
         """The head's static bucket: ``packed.bucket`` on one device; on a mesh the rung
