@@ -87,7 +87,8 @@ def reference_logprobs(mdef: ModelDef, temperature: float, skip: bool = True,
                        placement=None):
     """Jitted ``(params, batch, bucket) -> float32 [R, L]`` log-probs of the kept tokens
     (0 elsewhere) under ``params`` at ``temperature``: the frozen reference model's
-    forward, through jaxhead on the kept tokens only (no logits kept)."""
+    forward, through jaxhead on the kept tokens only (no logits kept). ``placement``: as
+    ``grpo_step``."""
 
     def ref(params, b, bucket):
         head, _ = _head(mdef, params, b, skip=skip, bucket=bucket, temperature=temperature,
@@ -123,6 +124,10 @@ def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_los
     Besides ``grpo_loss``'s metrics: ``loss``, ``grad_norm`` and the sampler-vs-trainer
     log-prob gap on the completion tokens before the update (``logprob_diff_mean``,
     ``logprob_diff_max``: ``|logp_trainer - logp_sampler|``).
+
+    ``placement``: a multi-device ``train.distributed.Placement`` compiles the step with
+    its out-shardings under its mesh (batch from ``placement.device_batch``, bucket from
+    ``placement.bucket``); None: one device.
     """
     loss_fn = grpo_loss_fn(mdef, loss_cfg, temperature, skip)
 
