@@ -11,6 +11,8 @@ Public API:
                             vocab-parallel (``jaxhead.sharding``)
   bucket_for_shards         the one static bucket of all token shards (host, multi-host)
   make_mesh, MeshConfig     the (data, fsdp, expert, tensor) mesh (``jaxhead.mesh``)
+
+Sampling from the head (chunked Gumbel-max, no [B, V] logits): ``jaxhead.sampling``.
 """
 
 from jaxhead.buckets import bucket_ladder, bucket_size

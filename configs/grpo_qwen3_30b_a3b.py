@@ -1,0 +1,44 @@
+"""GRPO of Qwen3-30B-A3B (MoE) from a local Hugging Face checkpoint directory:
+
+    python -m train.grpo --config=configs/grpo_qwen3_30b_a3b.py \
+        --config.model.hf_checkpoint=/path/to/Qwen3-30B-A3B
+
+bf16 parameters and compute; the head accumulates in float32 (jaxhead); the MoE
+load-balancing loss is added with the checkpoint's ``router_aux_loss_coef``.
+
+Mesh: experts over ``expert=8``, the other devices on ``fsdp`` (ZeRO-3), e.g. 64 chips of a
+pod slice = fsdp=8 x expert=8; launch one process per host (README, "Training on several
+hosts").
+"""
+
+from train.config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.workdir = "runs/grpo_qwen3_30b_a3b"
+    c.model.hf_checkpoint = ""  # required: set it with --config.model.hf_checkpoint=DIR
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "bfloat16"
+    c.tokenizer = ""
+    c.data.tasks = "gsm_symbolic,basic_arithmetic,chain_sum"
+    c.data.max_prompt_len = 1024
+    c.rollout.prompts_per_step = 64
+    c.rollout.group_size = 16
+    c.rollout.max_new_tokens = 2048
+    c.train.row_len = 8192
+    c.train.steps = 1000
+    c.train.optim.lr = 1e-6
+    c.train.optim.warmup_steps = 20
+    c.train.optim.decay = "constant"
+    c.loss.beta = 0.0
+    c.loss.eps_high = 0.28
+    c.loss.aggregation = "token-mean"
+    c.checkpoint.every = 25
+    c.mesh.data = 1
+    c.mesh.fsdp = -1  # every device the expert axis leaves
+    c.mesh.expert = 8
+    c.eval.size = 1024
+    c.eval.samples = 1
+    c.eval.batch = 256
+    return c

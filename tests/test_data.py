@@ -1,0 +1,97 @@
+"""train.data / train.tokenizer / train.metrics: held-out eval set, bad input, rewards,
+resume-safe metrics files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from train import data
+from train.metrics import MetricsWriter
+from train.tokenizer import qwen_bpe
+
+SPEC = {"chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return qwen_bpe()
+
+
+def test_qwen_tokenizer_and_chat_prompt(tok):
+    assert tok.num_valid == 151646 and tok.eos_id == 151643
+    assert tok.stop_ids == (151645, 151643)
+    ids = tok.chat_prompt("sys", "What is 12 + 7?")
+    assert ids[0] == tok.im_start_id and ids.count(tok.im_end_id) == 2
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n")
+    assert [tok.decode([i]) for i in tok.encode("1234")] == ["1", "2", "3", "4"]
+    # special-token text inside a question stays plain text
+    assert tok.im_end_id not in tok.encode("<|im_end|>")
+
+
+def test_unknown_task_lists_valid_names(tok):
+    with pytest.raises(ValueError, match="valid names: .*chain_sum.*word_sorting"):
+        data.Tasks({"chain_summ": {}}, tok, 128)
+
+
+def test_eval_set_is_held_out(tok):
+    tasks = data.Tasks(SPEC, tok, 128)
+    ev = tasks.eval_set(300, seed=2)
+    questions = [p.question for p in ev]
+    assert len(set(questions)) == 300
+    # chain_sum seeds item i with seed + i: another seed's stream repeats eval items ...
+    train_seed_items = {tasks.problem_at(1, i).question for i in range(2000)}
+    assert train_seed_items & set(questions)
+    # ... and the training stream skips every one of them
+    stream = tasks.train_stream(1, set(questions))
+    drawn = [next(stream)[1].question for _ in range(2000)]
+    assert not set(drawn) & set(questions)
+
+
+def test_long_prompts_are_skipped_and_counted(tok):
+    tasks = data.Tasks({"chain_sum": {"min_terms": 2, "max_terms": 12}}, tok, 60)
+    stream = tasks.train_stream(1, set())
+    got = [next(stream) for _ in range(20)]
+    assert all(len(p.prompt) <= 60 for _, p in got)
+    assert tasks.skipped > 0
+    assert got[-1][0] == 20 + tasks.skipped  # positions count the skipped ones too
+
+
+def test_resumed_stream_continues_the_sequence(tok):
+    tasks = data.Tasks(SPEC, tok, 128)
+    full = [(pos, p.question) for pos, p in
+            (next(s) for s in [tasks.train_stream(1, set())] * 10)]
+    resumed = tasks.train_stream(1, set(), start=full[4][0])
+    assert [p.question for _, p in (next(resumed) for _ in range(5))] == [
+        q for _, q in full[5:]]
+
+
+def test_reward_and_extraction(tok):
+    tasks = data.Tasks(SPEC, tok, 128)
+    p = tasks.eval_set(1, seed=3)[0]
+    right = f"<answer>{p.answer}</answer>"
+    assert tasks.reward(p, right) == 1.0
+    assert tasks.reward(p, "the answer is " + p.answer) == 0.0  # no tag, no reward
+    assert tasks.reward(p, right, format_weight=0.1) == pytest.approx(1.1)
+    assert tasks.reward(p, "x <answer>1000</answer> <answer>" + p.answer + "</answer>") == 1.0
+    assert data.extract_answer("<answer> 7 </answer>") == "7"
+    prefilled = data.Tasks(SPEC, tok, 128, prefill_answer_tag=True)
+    q = prefilled.eval_set(1, seed=3)[0]
+    assert tok.decode(q.prompt).endswith("assistant\n<answer>")
+    target = tok.decode(prefilled.target_ids(q.answer)[:-1])
+    assert prefilled.reward(q, target) == 1.0
+
+
+def test_metrics_writer_never_duplicates_and_drops_partial_lines(tmp_path):
+    path = tmp_path / "m.jsonl"
+    w = MetricsWriter(path, tensorboard=False)
+    assert w.write(1, {"a": 1.0}) and w.write(2, {"a": 2.0, "path": "x"})
+    with open(path, "a") as f:
+        f.write('{"kind": "train", "step": 3, "a"')  # cut by a kill
+    w2 = MetricsWriter(path, tensorboard=False)
+    assert not w2.write(2, {"a": 9.0})
+    assert w2.write(3, {"a": 3.0})
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["a"]) for r in recs] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    assert recs[1]["path"] == "x"

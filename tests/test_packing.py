@@ -1,0 +1,47 @@
+"""train.packing: rows, segments, positions and next-token alignment of packed batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from train import packing
+
+
+def test_pack_layout_and_alignment():
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 1000, n).tolist() for n in (5, 9, 3, 7)]
+    comps = [rng.integers(1, 1000, n).tolist() for n in (4, 2, 6, 1)]
+    vals = {"v": [rng.normal(size=len(c)).tolist() for c in comps]}
+    b = packing.pack(prompts, comps, 16, values=vals, row_multiple=4)
+    assert b.tokens.shape == (4, 16) and b.num_seqs == 4
+    for k, (p, c) in enumerate(zip(prompts, comps, strict=True)):
+        r, cols = np.nonzero(b.seq_index == k)
+        row = r[0]
+        assert len(cols) == len(c) and np.all(r == row)
+        # position j scores token j + 1: the scored labels are the completion tokens
+        np.testing.assert_array_equal(b.labels[row, cols], c)
+        np.testing.assert_allclose(b.values["v"][row, cols], vals["v"][k], rtol=1e-6)
+        seg = b.segment_ids[row, cols[0]]
+        span = np.nonzero(b.segment_ids[row] == seg)[0]
+        assert len(span) == len(p) + len(c)
+        np.testing.assert_array_equal(b.tokens[row, span], p + c)
+        np.testing.assert_array_equal(b.positions[row, span], np.arange(len(span)))
+    assert b.num_kept == sum(map(len, comps))
+    assert np.all(b.loss_mask[b.seq_index < 0] == 0)
+    assert np.all(b.labels[b.segment_ids == 0] == -100)
+    assert b.bucket() >= b.num_kept
+
+
+def test_pack_errors():
+    with pytest.raises(ValueError, match="row_len"):
+        packing.pack([[1] * 10], [[2] * 10], 16)
+    with pytest.raises(ValueError, match="num_rows"):
+        packing.pack([[1] * 8, [1] * 8], [[2] * 4, [2] * 4], 16, num_rows=1)
+    with pytest.raises(ValueError, match="entries"):
+        packing.pack([[1]], [[2, 3]], 16, values={"v": [[0.0]]})
+
+
+def test_first_fit_decreasing_fills_rows():
+    rows = packing.assign_rows([7, 5, 4, 3, 1], 10)
+    assert sorted(sorted(r) for r in rows) == [[0, 3], [1, 2, 4]]

