@@ -16,6 +16,7 @@ def get_config():
     c.workdir = "runs/grpo_qwen3_0p6b"
     c.model.hf_checkpoint = ""  # required: set it with --config.model.hf_checkpoint=DIR
     c.model.dtype = "bfloat16"
+    c.model.remat = True  # activations of one layer at a time in the backward pass
     c.model.param_dtype = "float32"
     c.tokenizer = ""  # "" = the checkpoint directory's tokenizer.json
     c.data.tasks = "chain_sum,basic_arithmetic,gsm_symbolic"

@@ -19,6 +19,7 @@ def get_config():
     c.workdir = "runs/grpo_qwen3_30b_a3b"
     c.model.hf_checkpoint = ""  # required: set it with --config.model.hf_checkpoint=DIR
     c.model.dtype = "bfloat16"
+    c.model.remat = True  # activations of one layer at a time in the backward pass
     c.model.param_dtype = "bfloat16"
     c.tokenizer = ""
     c.data.tasks = "gsm_symbolic,basic_arithmetic,chain_sum"

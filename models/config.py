@@ -29,6 +29,11 @@ class ModelConfig:
     ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0``),
     ``router_aux_loss_coef`` (weight a trainer may give the load-balancing loss).
 
+    Memory: ``remat`` recomputes each decoder layer in the backward pass
+    (``jax.checkpoint`` around the layer: only the layer inputs are saved), trading one
+    more forward of the layers for activation memory that no longer grows with depth.
+    Decoding with a KV cache never rematerialises.
+
     Head: ``final_logit_softcapping`` (Gemma 2 style ``c * tanh(z / c)`` on the logits,
     forwarded to jaxhead) or None.
 
@@ -62,6 +67,7 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
     final_logit_softcapping: float | None = None
+    remat: bool = False
     dtype: jnp.dtype | str = "bfloat16"
     param_dtype: jnp.dtype | str = "float32"
 

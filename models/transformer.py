@@ -65,6 +65,10 @@ class DecoderLayer(nnx.Module):
         return x + out, kv, stats
 
 
+def _call_layer(layer: DecoderLayer, x, positions, segment_ids):
+    return layer(x, positions, segment_ids)
+
+
 class Transformer(nnx.Module):
     """Qwen3 (dense) / Qwen3-MoE decoder with a jaxhead LM head.
 
@@ -136,7 +140,10 @@ class Transformer(nnx.Module):
         keys, values, stats = [], [], []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else layer_view(cache, i)
-            x, kv, layer_stats = layer(x, positions, segment_ids, kv)
+            if self.cfg.remat and kv is None:
+                x, _, layer_stats = nnx.remat(_call_layer)(layer, x, positions, segment_ids)
+            else:
+                x, kv, layer_stats = layer(x, positions, segment_ids, kv)
             if kv is not None:
                 keys.append(kv.keys)
                 values.append(kv.values)

@@ -34,6 +34,7 @@ def base_config() -> ConfigDict:
         "dtype": "float32",     # compute dtype
         "param_dtype": "float32",
         "overrides": ConfigDict({}),  # ModelConfig fields replacing the preset's
+        "remat": False,         # recompute each decoder layer in backward (big models)
     })
 
     c.data = ConfigDict({

@@ -70,6 +70,8 @@ def build(cfg) -> Setup:
                                         param_dtype=cfg.model.param_dtype)
     else:
         mdef = state.ModelDef.of(model_config(cfg))
+    if cfg.model.remat and not mdef.cfg.remat:
+        mdef = state.ModelDef.of(mdef.cfg.replace(remat=True))
     if tok.num_valid > mdef.cfg.vocab_size:
         raise ValueError(f"tokenizer has {tok.num_valid} tokens but the model's vocabulary "
                          f"is {mdef.cfg.vocab_size}")
