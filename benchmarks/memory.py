@@ -50,7 +50,7 @@ def _shard_bytes(abstract, shardings) -> int:
 
 
 def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, keep: float,
-            layers: int, vocab_axis: str | None = None) -> dict:
+            layers: int, vocab_axis: str | None = None, remat: bool = False) -> dict:
     """Compile the train step for ``mesh_sizes`` on abstract shapes; per-device GiB."""
     import jax
     import jax.numpy as jnp
@@ -60,7 +60,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     from jaxhead.mesh import batch_sharding, make_mesh
     from models import Transformer, get_config, jit_sharded, state_shardings
 
-    cfg = get_config(preset, dtype="bfloat16", param_dtype="float32")
+    cfg = get_config(preset, dtype="bfloat16", param_dtype="float32", remat=remat)
     if layers:
         cfg = cfg.replace(num_hidden_layers=layers)
     mesh = make_mesh(mesh_sizes, devices=jax.devices()[: math.prod(mesh_sizes.values())])
@@ -100,7 +100,8 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     peak = (mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
             - mem.alias_size_in_bytes)
     return {
-        "preset": preset + (f" ({layers} layers)" if layers else ""),
+        "preset": preset + (f" ({layers} layers)" if layers else "")
+        + (", remat" if remat else ""),
         "mesh": (" x ".join(f"{k}={v}" for k, v in mesh_sizes.items() if v > 1) or "1")
         + (f", vocab over {vocab_axis}" if vocab_axis else ""),
         "devices": math.prod(mesh_sizes.values()), "tokens": per_shard,
@@ -129,6 +130,8 @@ def main(argv=None) -> None:
     parser.add_argument("--keep", type=float, default=0.5,
                         help="fraction of tokens a loss reads (sizes the head's bucket)")
     parser.add_argument("--layers", type=int, default=0, help="override num_hidden_layers")
+    parser.add_argument("--remat", action="store_true",
+                        help="recompute each decoder layer in the backward pass")
     parser.add_argument("--vocab-axis", default=None,
                         help="mesh axis of a vocab-parallel head (e.g. tensor)")
     args = parser.parse_args(argv)
@@ -143,7 +146,7 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for mesh in meshes:
         row = measure(args.preset, mesh, batch=args.batch, seq=args.seq, keep=args.keep,
-                      layers=args.layers, vocab_axis=args.vocab_axis)
+                      layers=args.layers, vocab_axis=args.vocab_axis, remat=args.remat)
         print("| {preset} | {mesh} | {devices} | {tokens} | {params:.3g} | {adam:.3g} | "
               "{temp:.3g} | {peak:.3g} |".format(**row), flush=True)
 
