@@ -18,6 +18,9 @@ def _optim(lr: float, warmup: int) -> ConfigDict:
         # comma-separated parameter-name prefixes kept fixed (no gradient, no optimiser
         # state), e.g. "embed_tokens": with tied embeddings the embedding and the head
         "frozen": "",
+        # comma-separated "prefix:multiplier" pairs: those parameters' learning rate is
+        # lr * multiplier (e.g. "norm:30": the final RMSNorm scale, the logit scale)
+        "lr_multipliers": "",
     })
 
 

@@ -51,13 +51,45 @@ def make_optimizer(cfg, total_steps: int) -> tuple[optax.GradientTransformation,
       total_steps: length of the schedule.
     """
     lr = schedule(cfg, total_steps)
-    tx = optax.chain(
-        optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay),
-    )
+
+    def adamw(mult: float):
+        rate = lr if mult == 1.0 else (lambda step: mult * lr(step))
+        return optax.adamw(rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                           weight_decay=cfg.weight_decay)
+
     frozen = frozen_prefixes(cfg)
-    if frozen:
-        tx = optax.multi_transform(
-            {"train": tx, "frozen": optax.set_to_zero()},
-            lambda params: {k: "frozen" if is_frozen(k, frozen) else "train" for k in params})
+    mults = lr_multipliers(cfg)
+    if not frozen and not mults:
+        return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw(1.0)), lr
+
+    def label(name: str) -> str:
+        if is_frozen(name, frozen):
+            return "frozen"
+        for i, (prefix, _) in enumerate(mults):
+            if is_frozen(name, (prefix,)):
+                return f"group{i}"
+        return "train"
+
+    groups = {"train": adamw(1.0), "frozen": optax.set_to_zero()}
+    groups.update({f"group{i}": adamw(m) for i, (_, m) in enumerate(mults)})
+    tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), optax.multi_transform(
+        groups, lambda params: {k: label(k) for k in params}))
     return tx, lr
+
+
+def lr_multipliers(cfg) -> tuple[tuple[str, float], ...]:
+    """``(prefix, multiplier)`` pairs of an ``optim`` section's ``lr_multipliers``
+    (``"norm:30,layers.0:2"``).
+
+    Raises:
+      ValueError: a malformed entry.
+    """
+    out = []
+    for item in cfg.get("lr_multipliers", "").split(","):
+        if not item.strip():
+            continue
+        prefix, sep, mult = item.rpartition(":")
+        if not sep or not prefix.strip():
+            raise ValueError(f"optim.lr_multipliers entries are prefix:multiplier, got {item!r}")
+        out.append((prefix.strip(), float(mult)))
+    return tuple(out)
