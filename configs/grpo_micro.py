@@ -15,6 +15,8 @@ def get_config():
     c.data.tasks = "chain_sum"
     c.data.task_kwargs = {"chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1,
                                         "max_digits": 2}}
+    c.data.prefill_answer_tag = True  # as in grpo_tiny.py
+    c.data.stop_at_close_tag = True
     c.sft.steps = 2
     c.sft.batch_size = 8
     c.sft.row_len = 128

@@ -83,6 +83,20 @@ def test_reward_and_extraction(tok):
     assert prefilled.reward(q, target) == 1.0
 
 
+def test_stop_at_close_tag(tok):
+    tasks = data.Tasks(SPEC, tok, 128, prefill_answer_tag=True, stop_at_close_tag=True)
+    q = tasks.eval_set(1, seed=3)[0]
+    close = tok.encode("</answer>")[0]
+    assert tasks.stop_ids == (*tok.stop_ids, close)
+    target = tasks.target_ids(q.answer)
+    assert target[-1] == close and close not in target[:-1]
+    assert tok.decode(target) == q.answer + tok.decode([close])
+    # a reply that stopped at the close tag is scored as a closed tag, with format reward
+    assert tasks.reward(q, tok.decode(target), format_weight=0.5) == 1.5
+    assert tasks.reward(q, q.answer + "</answer>") == 1.0
+    assert tasks.reward(q, q.answer) == 0.0  # never closed: no answer
+
+
 def test_metrics_writer_never_duplicates_and_drops_partial_lines(tmp_path):
     path = tmp_path / "m.jsonl"
     w = MetricsWriter(path, tensorboard=False)

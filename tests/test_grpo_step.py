@@ -79,3 +79,28 @@ def test_skipping_changes_nothing_but_cost(policy, rollout_batch):
         scale = np.abs(b_).max()
         assert scale > 0, name
         assert np.abs(a - b_).max() <= 1e-5 * scale, (name, np.abs(a - b_).max() / scale)
+
+
+def test_frozen_parameters_stay_fixed(policy, rollout_batch):
+    from ml_collections import ConfigDict
+
+    from train.config import base_config
+    from train.optim import frozen_prefixes, make_optimizer
+
+    mdef, params = policy
+    _, packed = rollout_batch
+    ocfg = ConfigDict(base_config().train.optim.to_dict())
+    ocfg.frozen = "embed_tokens"
+    ocfg.warmup_steps = 0
+    tx, _ = make_optimizer(ocfg, 10)
+    frozen = frozen_prefixes(ocfg)
+    assert frozen == ("embed_tokens",)
+    step = steps.grpo_step(mdef, tx, rl_loss.LossConfig(), 1.0, True, frozen)
+    start = jax.tree.map(jnp.copy, params)
+    new, _, m = step(jax.tree.map(jnp.copy, params), tx.init(params),
+                     steps.device_batch(packed, "old_logp", "advantages"), None,
+                     packed.num_seqs, packed.bucket())
+    assert float(m["grad_norm"]) > 0
+    for name in params:
+        same = bool(jnp.all(new[name] == start[name]))
+        assert same == name.startswith("embed_tokens."), name

@@ -15,6 +15,12 @@ def _optim(lr: float, warmup: int) -> ConfigDict:
         "end_lr_ratio": 0.1,
         "b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0.0,
         "clip_norm": 1.0,       # global-norm gradient clipping
+        # comma-separated parameter-name prefixes kept fixed (no gradient, no optimiser
+        # state), e.g. "embed_tokens": with tied embeddings the embedding and the head
+        "frozen": "",
+        # comma-separated "prefix:multiplier" pairs: those parameters' learning rate is
+        # lr * multiplier (e.g. "norm:30": the final RMSNorm scale, the logit scale)
+        "lr_multipliers": "",
     })
 
 
@@ -45,6 +51,9 @@ def base_config() -> ConfigDict:
         "max_prompt_len": 128,  # longer prompts are skipped and counted
         "format_reward": 0.0,   # added for an exactly well-formed <answer>...</answer>
         "prefill_answer_tag": False,  # end prompts with "<answer>" (assistant prefix)
+        # also stop at the first token of "</answer>" (a stop sequence); scored as if the
+        # tag were closed. Shorter completions: fewer head rows to sample and score.
+        "stop_at_close_tag": False,
     })
 
     # Supervised warm start (train.sft, or the first stage of train.grpo).

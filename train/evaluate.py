@@ -16,9 +16,10 @@ from train.tokenizer import Tokenizer
 
 
 def completion_text(tok: Tokenizer, ro: rollout.Rollout, i: int) -> str:
-    """Decoded completion ``i`` without its stop token."""
+    """Decoded completion ``i`` without its end token (``tok.stop_ids``; another stop
+    token, e.g. the close tag's first token, is kept for ``Tasks.reward``)."""
     ids = ro.completion(i)
-    if ro.stopped[i]:
+    if ro.stopped[i] and ids and ids[-1] in tok.stop_ids:
         ids = ids[:-1]
     return tok.decode(ids)
 
@@ -82,7 +83,7 @@ def evaluate(mdef: ModelDef, params: Params, problems: list[Problem], tasks: Tas
     Rewards are ``tasks.reward`` (task score plus ``format_weight`` for a well-formed
     answer); greedy correctness is a task score of 1.
     """
-    kw = {"max_new_tokens": max_new_tokens, "stop_ids": tok.stop_ids,
+    kw = {"max_new_tokens": max_new_tokens, "stop_ids": tasks.stop_ids,
           "num_valid": tok.num_valid}
     prompts = [p.prompt for p in problems for _ in range(samples)]
     done = _generate_all(mdef, params, prompts, key, batch, temperature=temperature, **kw)

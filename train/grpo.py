@@ -31,7 +31,7 @@ from tqdm import tqdm
 from train import cli, distributed, evaluate, packing, rl_loss, rollout, setup, steps
 from train.checkpoint import Checkpointer
 from train.metrics import MetricsWriter, peak_flops, peak_memory_bytes, train_step_flops
-from train.optim import make_optimizer
+from train.optim import frozen_prefixes, make_optimizer
 from train.sft import run_sft
 
 GRPO_DIR = "grpo"
@@ -91,7 +91,7 @@ def rollout_batch(cfg, s: setup.Setup, params, problems, key):
     ro = rollout.generate(
         s.mdef, params, prompts, key, max_new_tokens=cfg.rollout.max_new_tokens,
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-        stop_ids=s.tokenizer.stop_ids, num_valid=s.tokenizer.num_valid)
+        stop_ids=s.tasks.stop_ids, num_valid=s.tokenizer.num_valid)
     rewards, correct = [], []
     for i in range(len(prompts)):
         text = evaluate.completion_text(s.tokenizer, ro, i)
@@ -143,7 +143,8 @@ def train(cfg, s: setup.Setup, writer: MetricsWriter, start_params,
         position, first = meta["data_position"], meta["step"] + 1
         print(f"grpo: resuming from checkpoint step {meta['step']}", flush=True)
     stream = s.tasks.train_stream(cfg.data.train_seed, s.exclude, start=position)
-    step_fn = steps.grpo_step(s.mdef, tx, lcfg, cfg.rollout.temperature, skip, placement)
+    step_fn = steps.grpo_step(s.mdef, tx, lcfg, cfg.rollout.temperature, skip,
+                              frozen_prefixes(cfg.train.optim), placement)
     ref_fn = steps.reference_logprobs(s.mdef, cfg.rollout.temperature, skip, placement)
     peak = peak_flops(cfg.metrics.peak_flops)
     bar = tqdm(total=total, initial=first - 1, desc="grpo", disable=not writer.enabled)
@@ -228,8 +229,10 @@ def main(argv):
                  f"training), {cfg.eval.samples} samples each at T={cfg.rollout.temperature:g}"
                  f", {cfg.train.steps} GRPO steps")
         print(evaluate.report(before, after, title), flush=True)
+    cpu = sum(os.times()[:2])  # user + system seconds of this process
     print(f"prompts skipped as too long: {s.tasks.skipped}; wall time "
-          f"{time.perf_counter() - t_start:.0f} s; run directory {s.workdir}", flush=True)
+          f"{time.perf_counter() - t_start:.0f} s (CPU time {cpu:.0f} s); run directory "
+          f"{s.workdir}", flush=True)
     writer.close()
 
 

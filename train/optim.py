@@ -31,18 +31,65 @@ def schedule(cfg, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), tail], [warmup])
 
 
+def frozen_prefixes(cfg) -> tuple[str, ...]:
+    """The ``frozen`` parameter-name prefixes of an ``optim`` section."""
+    return tuple(p.strip() for p in cfg.get("frozen", "").split(",") if p.strip())
+
+
+def is_frozen(name: str, frozen: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in frozen)
+
+
 def make_optimizer(cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """``(tx, schedule)``: ``clip_by_global_norm(cfg.clip_norm)`` then
-    ``adamw(schedule, b1, b2, eps, weight_decay)``.
+    ``adamw(schedule, b1, b2, eps, weight_decay)``; parameters named by ``cfg.frozen``
+    get a zero update and no optimiser state (``optax.multi_transform``).
 
     Args:
       cfg: the ``optim`` config section (lr, warmup_steps, decay, end_lr_ratio, b1, b2,
-        eps, weight_decay, clip_norm).
+        eps, weight_decay, clip_norm, frozen).
       total_steps: length of the schedule.
     """
     lr = schedule(cfg, total_steps)
-    tx = optax.chain(
-        optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay),
-    )
+
+    def adamw(mult: float):
+        rate = lr if mult == 1.0 else (lambda step: mult * lr(step))
+        return optax.adamw(rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                           weight_decay=cfg.weight_decay)
+
+    frozen = frozen_prefixes(cfg)
+    mults = lr_multipliers(cfg)
+    if not frozen and not mults:
+        return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw(1.0)), lr
+
+    def label(name: str) -> str:
+        if is_frozen(name, frozen):
+            return "frozen"
+        for i, (prefix, _) in enumerate(mults):
+            if is_frozen(name, (prefix,)):
+                return f"group{i}"
+        return "train"
+
+    groups = {"train": adamw(1.0), "frozen": optax.set_to_zero()}
+    groups.update({f"group{i}": adamw(m) for i, (_, m) in enumerate(mults)})
+    tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), optax.multi_transform(
+        groups, lambda params: {k: label(k) for k in params}))
     return tx, lr
+
+
+def lr_multipliers(cfg) -> tuple[tuple[str, float], ...]:
+    """``(prefix, multiplier)`` pairs of an ``optim`` section's ``lr_multipliers``
+    (``"norm:30,layers.0:2"``).
+
+    Raises:
+      ValueError: a malformed entry.
+    """
+    out = []
+    for item in cfg.get("lr_multipliers", "").split(","):
+        if not item.strip():
+            continue
+        prefix, sep, mult = item.rpartition(":")
+        if not sep or not prefix.strip():
+            raise ValueError(f"optim.lr_multipliers entries are prefix:multiplier, got {item!r}")
+        out.append((prefix.strip(), float(mult)))
+    return tuple(out)

@@ -61,7 +61,8 @@ def build(cfg) -> Setup:
     workdir = Path(cfg.workdir).absolute()
     tok = load_tokenizer(cfg.tokenizer or cfg.model.hf_checkpoint)
     tasks = Tasks(task_specs(cfg.data), tok, cfg.data.max_prompt_len,
-                  prefill_answer_tag=cfg.data.prefill_answer_tag)
+                  prefill_answer_tag=cfg.data.prefill_answer_tag,
+                  stop_at_close_tag=cfg.data.stop_at_close_tag)
     if cfg.init.sft_checkpoint:
         require_checkpoint(cfg.init.sft_checkpoint)  # fail early, before any work
     hf_params = None

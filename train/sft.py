@@ -19,7 +19,7 @@ from tqdm import tqdm
 from train import cli, distributed, packing, setup, state, steps
 from train.checkpoint import Checkpointer
 from train.metrics import MetricsWriter, peak_memory_bytes
-from train.optim import make_optimizer
+from train.optim import frozen_prefixes, make_optimizer
 
 SFT_DIR = "sft"
 
@@ -50,7 +50,8 @@ def run_sft(cfg, s: setup.Setup, writer: MetricsWriter,
         position, first = meta["data_position"], meta["step"] + 1
         print(f"sft: resuming from checkpoint step {meta['step']}", flush=True)
     stream = s.tasks.train_stream(cfg.data.train_seed, s.exclude, start=position)
-    step_fn = steps.sft_step(s.mdef, tx, cfg.train.skip_unkept, placement)
+    step_fn = steps.sft_step(s.mdef, tx, cfg.train.skip_unkept,
+                             frozen_prefixes(cfg.sft.optim), placement)
     bar = tqdm(total=total, initial=first - 1, desc="sft", disable=not writer.enabled)
     for step in range(first, total + 1):
         t0 = time.perf_counter()

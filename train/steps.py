@@ -17,6 +17,7 @@ import optax
 
 import jaxhead
 from train import distributed, rl_loss
+from train.optim import is_frozen
 from train.packing import PackedBatch
 from train.state import ModelDef, Params
 
@@ -31,10 +32,19 @@ def device_batch(batch: PackedBatch, *value_names: str) -> dict[str, jax.Array]:
     return out
 
 
+def _stop_frozen(params: Params, frozen: tuple[str, ...]) -> Params:
+    """``params`` with ``lax.stop_gradient`` on the frozen ones (``optim.frozen``): no
+    gradient is formed for them (e.g. no dense ``[V, H]`` embedding gradient)."""
+    if not frozen:
+        return params
+    return {k: jax.lax.stop_gradient(v) if is_frozen(k, frozen) else v
+            for k, v in params.items()}
+
+
 def _head(mdef: ModelDef, params: Params, b, *, skip: bool, bucket: int, temperature: float,
-          with_entropy: bool):
+          with_entropy: bool, frozen: tuple[str, ...] = ()):
     """``(HeadOutput, aux_loss)`` of the policy on the batch (see the module docstring)."""
-    model = mdef.merge(params)
+    model = mdef.merge(_stop_frozen(params, frozen))
     if skip:
         keep = jaxhead.keep_mask(loss_mask=b["loss_mask"], segment_ids=b["segment_ids"])
         labels = b["labels"]
@@ -57,18 +67,19 @@ def _apply(tx, params, opt_state, grads):
 
 @functools.cache
 def sft_step(mdef: ModelDef, tx: optax.GradientTransformation, skip: bool = True,
-             placement=None):
+             frozen: tuple[str, ...] = (), placement=None):
     """Jitted ``(params, opt_state, batch, bucket) -> (params, opt_state, metrics)``.
 
     Loss: ``-sum(w logp) / sum(w)`` with CE weights ``w = loss_mask`` (completion tokens),
     plus the MoE load-balancing loss weighted by ``router_aux_loss_coef``. ``bucket`` is
     static. Metrics: ``loss``, ``nll`` (nats per completion token), ``grad_norm``.
+    ``frozen``: parameter-name prefixes without gradient (``optim.frozen``).
     ``placement``: a ``train.distributed.Placement`` (None: one device).
     """
 
     def loss_fn(params, b, bucket):
         head, aux = _head(mdef, params, b, skip=skip, bucket=bucket, temperature=1.0,
-                          with_entropy=False)
+                          with_entropy=False, frozen=frozen)
         w = b["loss_mask"]
         nll = -(head.logprobs * w).sum() / jnp.maximum(w.sum(), 1.0)
         return nll + _aux_weight(mdef) * aux, nll
@@ -99,14 +110,14 @@ def reference_logprobs(mdef: ModelDef, temperature: float, skip: bool = True,
 
 
 def grpo_loss_fn(mdef: ModelDef, loss_cfg: rl_loss.LossConfig, temperature: float,
-                 skip: bool):
+                 skip: bool, frozen: tuple[str, ...] = ()):
     """``(params, batch, ref_logp, num_seqs, bucket) -> (loss, (metrics, logp))``, the
     differentiable GRPO objective on a packed batch whose values hold ``old_logp`` and
     ``advantages``."""
 
     def loss_fn(params, b, ref_logp, num_seqs, bucket):
         head, aux = _head(mdef, params, b, skip=skip, bucket=bucket, temperature=temperature,
-                          with_entropy=True)
+                          with_entropy=True, frozen=frozen)
         loss, metrics = rl_loss.grpo_loss(
             loss_cfg, head.logprobs, b["old_logp"], b["advantages"], b["loss_mask"],
             b["seq_index"], num_seqs, ref_logp=ref_logp, entropy=head.entropy)
@@ -117,7 +128,8 @@ def grpo_loss_fn(mdef: ModelDef, loss_cfg: rl_loss.LossConfig, temperature: floa
 
 @functools.cache
 def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_loss.LossConfig,
-              temperature: float, skip: bool = True, placement=None):
+              temperature: float, skip: bool = True, frozen: tuple[str, ...] = (),
+              placement=None):
     """Jitted ``(params, opt_state, batch, ref_logp | None, num_seqs, bucket) ->
     (params, opt_state, metrics)``; ``num_seqs`` and ``bucket`` are static.
 
@@ -129,7 +141,7 @@ def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_los
     its out-shardings under its mesh (batch from ``placement.device_batch``, bucket from
     ``placement.bucket``); None: one device.
     """
-    loss_fn = grpo_loss_fn(mdef, loss_cfg, temperature, skip)
+    loss_fn = grpo_loss_fn(mdef, loss_cfg, temperature, skip, frozen)
 
     def step(params, opt_state, b, ref_logp, num_seqs, bucket):
         (loss, (metrics, logp)), grads = jax.value_and_grad(loss_fn, has_aux=True)(

@@ -1,0 +1,33 @@
+"""Optimiser options: frozen parameters and per-prefix learning-rate multipliers."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from train.config import base_config
+from train.optim import lr_multipliers, make_optimizer
+
+
+def test_frozen_and_lr_multipliers():
+    c = base_config().train.optim
+    c.warmup_steps, c.decay = 0, "constant"
+    c.frozen, c.lr_multipliers = "embed_tokens", "norm:30"
+    tx, _ = make_optimizer(c, 10)
+    params = {"embed_tokens.embedding": jnp.ones(4), "norm.scale": jnp.ones(4),
+              "layers.0.norm.scale": jnp.ones(4), "normal.w": jnp.ones(4)}
+    state = tx.init(params)
+    updates, _ = tx.update({k: jnp.full(4, 0.01) for k in params}, state, params)
+    step = {k: float(-v[0]) for k, v in updates.items()}
+    assert step["embed_tokens.embedding"] == 0.0
+    assert step["norm.scale"] == pytest.approx(30 * c.lr, rel=1e-3)
+    # prefixes match whole dotted components only
+    assert step["layers.0.norm.scale"] == pytest.approx(c.lr, rel=1e-3)
+    assert step["normal.w"] == pytest.approx(c.lr, rel=1e-3)
+
+
+def test_bad_lr_multipliers_raise():
+    c = base_config().train.optim
+    c.lr_multipliers = "norm"
+    with pytest.raises(ValueError, match="prefix:multiplier"):
+        lr_multipliers(c)
