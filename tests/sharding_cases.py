@@ -354,7 +354,7 @@ def grpo_step_case() -> dict:
             steps.device_batch(packed, "old_logp", "advantages")
         bucket = placement.bucket(packed, 16) if placement else packed.bucket(16)
         ref = steps.reference_logprobs(mdef, 1.0, True, placement)(p, b, bucket)
-        new, opt, m = steps.grpo_step(mdef, tx, lcfg, 1.0, True, placement)(
+        new, opt, m = steps.grpo_step(mdef, tx, lcfg, 1.0, True, placement=placement)(
             p, opt, b, ref, packed.num_seqs, bucket)
         return new, opt, m, bucket
 
