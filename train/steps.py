@@ -62,7 +62,7 @@ def _aux_weight(mdef: ModelDef) -> float:
 
 def _apply(tx, params, opt_state, grads):
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
+    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
 
 @functools.cache
