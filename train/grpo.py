@@ -102,17 +102,18 @@ def rollout_batch(cfg, s: setup.Setup, params, problems, key):
     return ro, np.reshape(rewards, shape), np.reshape(correct, shape)
 
 
-def pack_rollout(cfg, problems, ro: rollout.Rollout, advantages: np.ndarray
-                 ) -> packing.PackedBatch:
+def pack_rollout(cfg, problems, ro: rollout.Rollout, advantages: np.ndarray,
+                 row_multiple: int) -> packing.PackedBatch:
     """Pack prompt + completion per row of the rollout with the sampler log-probs
-    (``old_logp``) and the completion's advantage on each of its tokens."""
+    (``old_logp``) and the completion's advantage on each of its tokens; the row count is
+    a multiple of ``row_multiple``."""
     g = cfg.rollout.group_size
     n = len(problems) * g
     comps = [ro.completion(i) for i in range(n)]
     adv = advantages.reshape(-1)
     return packing.pack(
         [problems[i // g].prompt for i in range(n)], comps, cfg.train.row_len,
-        row_multiple=cfg.train.row_multiple,
+        row_multiple=row_multiple,
         values={"old_logp": [ro.logprobs[i, : len(c)] for i, c in enumerate(comps)],
                 "advantages": [np.full(len(c), adv[i], np.float32) for i, c in enumerate(comps)]})
 
@@ -143,6 +144,7 @@ def train(cfg, s: setup.Setup, writer: MetricsWriter, start_params,
         position, first = meta["data_position"], meta["step"] + 1
         print(f"grpo: resuming from checkpoint step {meta['step']}", flush=True)
     stream = s.tasks.train_stream(cfg.data.train_seed, s.exclude, start=position)
+    row_multiple = placement.row_multiple(cfg.train.row_multiple)  # rows split over shards
     step_fn = steps.grpo_step(s.mdef, tx, lcfg, cfg.rollout.temperature, skip,
                               frozen_prefixes(cfg.train.optim), placement)
     ref_fn = steps.reference_logprobs(s.mdef, cfg.rollout.temperature, skip, placement)
@@ -157,7 +159,7 @@ def train(cfg, s: setup.Setup, writer: MetricsWriter, start_params,
                                              jax.random.fold_in(key, step))
         t1 = time.perf_counter()
         adv = rl_loss.group_advantages(rewards, cfg.loss.advantage)
-        packed = pack_rollout(cfg, problems, ro, adv)
+        packed = pack_rollout(cfg, problems, ro, adv, row_multiple)
         b = placement.device_batch(packed, "old_logp", "advantages")
         bucket = placement.bucket(packed, cfg.train.bucket_multiple) if skip else 0
         ref = None
@@ -207,9 +209,6 @@ def main(argv):
     distributed.initialize(cfg)  # before any other JAX call
     s = setup.build_or_exit(cfg)
     placement = distributed.Placement.from_config(cfg, s.mdef)
-    with cfg.unlocked():  # packed rows split evenly over the batch shards
-        cfg.train.row_multiple = placement.row_multiple(cfg.train.row_multiple)
-        cfg.sft.row_multiple = placement.row_multiple(cfg.sft.row_multiple)
     writer = MetricsWriter(s.workdir / "metrics.jsonl", enabled=jax.process_index() == 0,
                            tensorboard=cfg.metrics.tensorboard)
     if cfg.sft.steps > 0 and not cfg.init.sft_checkpoint:
