@@ -57,14 +57,14 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     from flax import nnx
 
     import jaxhead
-    from jaxhead.mesh import batch_sharding, make_mesh
     from models import Transformer, get_config, jit_sharded, state_shardings
+    from models.mesh import BATCH_AXES, axis_size, batch_sharding, make_mesh, present
 
     cfg = get_config(preset, dtype="bfloat16", param_dtype="float32", remat=remat)
     if layers:
         cfg = cfg.replace(num_hidden_layers=layers)
     mesh = make_mesh(mesh_sizes, devices=jax.devices()[: math.prod(mesh_sizes.values())])
-    shards = jaxhead.mesh.axis_size(mesh, jaxhead.mesh.BATCH_AXES)
+    shards = axis_size(mesh, BATCH_AXES)
     batch = batch or shards
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     p_shard = state_shardings(params, mesh)
@@ -81,6 +81,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
             model = nnx.merge(graphdef, params)
             out = model(data["tokens"], data["positions"], data["segment_ids"])
             head = model.lm_head.sharded(out.hidden, data["labels"], data["keep"],
+                                         token_axes=present(mesh, BATCH_AXES),
                                          bucket=bucket, vocab_axis=vocab_axis)
             count = jnp.maximum(jnp.sum(data["keep"]), 1)
             return (-jnp.sum(data["advantages"] * head.logprobs) / count

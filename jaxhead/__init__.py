@@ -10,7 +10,6 @@ Public API:
   sharded_token_logprobs    the head under a device mesh: per-shard compaction, optional
                             vocab-parallel (``jaxhead.sharding``)
   bucket_for_shards         the one static bucket of all token shards (host, multi-host)
-  make_mesh, MeshConfig     the (data, fsdp, expert, tensor) mesh (``jaxhead.mesh``)
 
 Sampling from the head (chunked Gumbel-max, no [B, V] logits): ``jaxhead.sampling``.
 """
@@ -18,7 +17,6 @@ Sampling from the head (chunked Gumbel-max, no [B, V] logits): ``jaxhead.samplin
 from jaxhead.buckets import bucket_ladder, bucket_size
 from jaxhead.head import token_logprobs
 from jaxhead.masks import keep_mask, next_token_labels
-from jaxhead.mesh import MeshConfig, make_mesh
 from jaxhead.nnx import LMHead
 from jaxhead.reference import reference_token_logprobs
 from jaxhead.sharding import bucket_for_shards, sharded_token_logprobs
@@ -27,12 +25,10 @@ from jaxhead.types import HeadOutput
 __all__ = [
     "HeadOutput",
     "LMHead",
-    "MeshConfig",
     "bucket_for_shards",
     "bucket_ladder",
     "bucket_size",
     "keep_mask",
-    "make_mesh",
     "next_token_labels",
     "reference_token_logprobs",
     "sharded_token_logprobs",

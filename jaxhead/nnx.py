@@ -103,7 +103,7 @@ class LMHead(nnx.Module):
         keep: jax.Array | None = None,
         *,
         mesh=None,
-        token_axes=None,
+        token_axes,
         vocab_axis: str | None = None,
         temperature=1.0,
         with_entropy: bool = True,

@@ -29,81 +29,59 @@ from jax.sharding import PartitionSpec as P
 from jaxhead import validation, vocab_parallel, xla
 from jaxhead.buckets import DEFAULT_GROWTH, DEFAULT_MULTIPLE, bucket_size
 from jaxhead.head import run_compacted, token_logprobs
-from jaxhead.mesh import BATCH_AXES, axis_size, check_divisible, present
 from jaxhead.types import HeadOutput
 
 
-def _local_max_count(keep, shards, token_axes) -> tuple[int, int]:
-    """``(largest kept count of a token shard held by this process, tokens per shard)``."""
-    if isinstance(keep, jax.Array) and not keep.is_fully_addressable:
-        if isinstance(shards, int):
-            raise ValueError("a keep array spread over processes needs the mesh, not a count")
-        check_divisible(keep.shape[0], shards, token_axes, "keep")
-        num = axis_size(shards, token_axes)
-        want = (keep.shape[0] // num,) + keep.shape[1:]
-        got = tuple(keep.sharding.shard_shape(keep.shape))
-        if got != want:
-            raise ValueError(
-                f"keep is split into shards of shape {got}, but the {num} token shards of "
-                f"{token_axes} have shape {want}; pass a host array instead"
-            )
-        counts = [int(np.count_nonzero(np.asarray(s.data))) for s in keep.addressable_shards]
-        return max(counts), math.prod(want)
+def _axis_size(mesh, axes: Sequence[str]) -> int:
+    return math.prod(dict(mesh.shape)[a] for a in axes)
+
+
+def _max_shard_count(keep, num_shards: int) -> tuple[int, int]:
+    """``(largest kept count of one of the ``num_shards`` leading-axis shards of the host
+    array ``keep``, tokens per shard)``."""
     keep = np.asarray(keep)
-    local = shards if isinstance(shards, int) else (
-        axis_size(shards, token_axes) // jax.process_count())
-    if local < 1 or keep.shape[0] % local:
+    if num_shards < 1 or keep.ndim < 1 or keep.shape[0] % num_shards:
         raise ValueError(
-            f"keep has {keep.shape[0]} rows on this process, not divisible by its {local} "
-            f"token shards"
+            f"keep has {keep.shape[0] if keep.ndim else 0} rows, not divisible into "
+            f"{num_shards} token shards"
         )
-    return int(keep.reshape(local, -1).sum(axis=1).max()), keep.size // local
-
-
-def max_shard_count(keep, shards: int | Mesh, token_axes: Sequence[str] | None = None):
-    """``(largest number of kept tokens in one token shard, tokens per shard)``, agreed
-    over processes; see ``bucket_for_shards`` for the arguments."""
-    if not isinstance(shards, int):
-        token_axes = present(shards, BATCH_AXES) if token_axes is None else tuple(token_axes)
-    count, per_shard = _local_max_count(keep, shards, token_axes)
-    if jax.process_count() > 1:
-        count = int(np.max(multihost_utils.process_allgather(np.int32(count))))
-    return count, per_shard
+    counts = keep.reshape(num_shards, -1).sum(axis=1)
+    return int(counts.max()), keep.size // num_shards
 
 
 def bucket_for_shards(
     keep,
-    shards: int | Mesh,
-    token_axes: Sequence[str] | None = None,
+    num_shards: int,
     *,
     multiple: int = DEFAULT_MULTIPLE,
     growth: float = DEFAULT_GROWTH,
+    across_processes: bool = False,
 ) -> int:
     """The static bucket for ``sharded_token_logprobs``: the ladder rung (``bucket_size``)
     that holds the largest number of kept tokens of any token shard. Runs on the host,
     before the step.
 
     Args:
-      keep: bool ``[B, ...]``, split into shards along its leading axis. Either a host
-        array (or fully addressable ``jax.Array``) of the rows this process feeds (one
-        process: the whole batch), or a global ``jax.Array`` spread over several
-        processes and split over the token axes (this process's shards are counted).
-      shards: the mesh (then the token shards are ``token_axes``; a host ``keep`` holds
-        ``shards / jax.process_count()`` of them), or the number of shards a host ``keep``
-        splits into.
-      token_axes: mesh axes the tokens are split over (None: the ``BATCH_AXES`` the mesh
-        has).
+      keep: bool ``[B, ...]`` host array (numpy, or a fully addressable ``jax.Array``):
+        the rows this process holds, split into ``num_shards`` equal shards along the
+        leading axis (in the mesh's order of the token axes).
+      num_shards: the number of token shards ``keep`` holds (the product of the token
+        axes' sizes, divided by the process count when each process passes its own rows).
       multiple, growth: the ladder (``jaxhead.bucket_size``).
+      across_processes: also take the maximum over all processes
+        (``jax.experimental.multihost_utils.process_allgather``, a collective: every
+        process must call this with the same arguments but its own ``keep``). False: this
+        process's ``keep`` alone decides (right when every process holds the same rows).
 
     Returns:
-      An int, the same on every process: with several processes the local maxima are
-      exchanged with ``multihost_utils.process_allgather`` (every process must call this).
+      An int; with ``across_processes`` the same on every process.
 
     Raises:
-      ValueError: rows not divisible by the shards (both numbers named), or a global
-        ``keep`` whose sharding does not split it over the token axes.
+      ValueError: rows not divisible by ``num_shards`` (both numbers named).
     """
-    count, per_shard = max_shard_count(keep, shards, token_axes)
+    count, per_shard = _max_shard_count(keep, num_shards)
+    if across_processes and jax.process_count() > 1:
+        count = int(np.max(multihost_utils.process_allgather(np.int32(count))))
     return bucket_size(count, per_shard, multiple=multiple, growth=growth)
 
 
@@ -120,7 +98,7 @@ def _check_axes(mesh, token_axes, vocab_axis, vocab_size, impl):
             f"vocab_axis={vocab_axis!r} is also a token axis {token_axes}: the devices of "
             f"the vocab axis must see the same tokens"
         )
-    n = axis_size(mesh, vocab_axis)
+    n = _axis_size(mesh, (vocab_axis,))
     if vocab_size % n:
         raise ValueError(
             f"vocab size {vocab_size} is not divisible by the {n} devices of vocab_axis "
@@ -144,7 +122,7 @@ def sharded_token_logprobs(
     keep: jax.Array | None = None,
     *,
     mesh: Mesh | None = None,
-    token_axes: Sequence[str] | None = None,
+    token_axes: Sequence[str],
     vocab_axis: str | None = None,
     bucket: int | None = None,
     temperature=1.0,
@@ -172,10 +150,10 @@ def sharded_token_logprobs(
     Args:
       hidden: ``[B, ..., H]`` float; weight: ``[H, V]``, same dtype.
       labels: int ``[B, ...]``; keep: bool ``[B, ...]`` or None (all tokens).
-      mesh: the device mesh (``jaxhead.mesh.make_mesh``); None: the mesh set with
-        ``jax.set_mesh``.
-      token_axes: mesh axes the leading axis is split over (None: the ``BATCH_AXES``
-        ``("data", "fsdp", "expert")`` that the mesh has).
+      mesh: a ``jax.sharding.Mesh`` (or ``AbstractMesh`` under ``jit``); None: the mesh
+        set with ``jax.set_mesh``.
+      token_axes: mesh axes the leading axis is split over, in order (e.g. a model's
+        batch axes; ``()``: not split, every device computes every token).
       vocab_axis: mesh axis the vocabulary is split over, or None.
       bucket: static number of slots per token shard (``bucket_for_shards`` on the host).
         None: with a concrete ``keep``, chosen here by ``bucket_for_shards``; with a traced
@@ -203,19 +181,25 @@ def sharded_token_logprobs(
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if mesh.empty:
         raise ValueError("no mesh: pass mesh= or call under jax.set_mesh(mesh)")
-    token_axes = present(mesh, BATCH_AXES) if token_axes is None else tuple(token_axes)
+    token_axes = tuple(token_axes)
     _check_axes(mesh, token_axes, vocab_axis, weight.shape[1], impl)
     if labels.ndim < 1:
         raise ValueError(f"labels need a leading batch axis to split, got shape {labels.shape}")
-    check_divisible(labels.shape[0], mesh, token_axes, "the head's batch")
+    shards = _axis_size(mesh, token_axes)
+    if labels.shape[0] % shards:
+        sizes = {a: dict(mesh.shape)[a] for a in token_axes}
+        raise ValueError(
+            f"the head's batch of {labels.shape[0]} rows is not divisible by the {shards} "
+            f"shards of mesh axes {sizes}; use a multiple of {shards}"
+        )
     if keep is not None and _fully_known(keep):
-        needed, per_shard = max_shard_count(keep, mesh, token_axes)
+        needed, per_shard = _max_shard_count(keep, shards)
         if bucket is None:
             bucket = bucket_size(needed, per_shard)
         elif needed > bucket:
             raise ValueError(
                 f"bucket={bucket} is smaller than the {needed} kept tokens of the fullest "
-                f"token shard; use jaxhead.bucket_for_shards(keep, mesh)"
+                f"token shard; use jaxhead.bucket_for_shards(keep, {shards})"
             )
 
     temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), labels.shape)

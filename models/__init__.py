@@ -7,13 +7,14 @@ Public API:
   load_model, save_model, load_config, CheckpointError   HF safetensors import / export
   logical_axes, logical_partition_specs                   parameter logical axis names
   DEFAULT_RULES, state_shardings, shard_model, init_sharded, jit_sharded
-                                     placement on a jaxhead.mesh mesh (models.sharding);
+                                     placement on a models.mesh mesh (models.sharding);
                                      the MoE runs expert-parallel under it
 """
 
 from models.cache import KVCache, init_cache
 from models.config import PRESETS, ModelConfig, get_config
 from models.hf import CheckpointError, load_config, load_model, save_model
+from models.mesh import BATCH_AXES, MeshConfig, make_mesh
 from models.sharding import (
     DEFAULT_RULES,
     init_sharded,
@@ -26,6 +27,9 @@ from models.sharding import (
 from models.transformer import DecoderOutput, Transformer
 
 __all__ = [
+    "BATCH_AXES",
+    "MeshConfig",
+    "make_mesh",
     "DEFAULT_RULES",
     "PRESETS",
     "CheckpointError",

@@ -50,8 +50,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxhead.mesh import BATCH_AXES, axis_size, check_divisible, present
 from models.experts import combine, expert_ffn
+from models.mesh import BATCH_AXES, axis_size, check_divisible, present
 from models.sharding import DEFAULT_RULES, logical_to_mesh
 
 
@@ -171,7 +171,7 @@ def dropless_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate:
       experts: int32 ``[T, k]``; weights: float32 ``[T, k]`` (the router's choice).
       gate, up: ``[E, H, I]``; down: ``[E, I, H]``; laid out by
         ``models.sharding.DEFAULT_RULES`` (experts over ``expert``).
-      mesh: a ``Mesh`` or ``AbstractMesh`` with the ``jaxhead.mesh`` axes.
+      mesh: a ``Mesh`` or ``AbstractMesh`` with the ``models.mesh`` axes.
       max_rows: receive-buffer rows per all-to-all round (``tokens_per_dispatch``): the
         device's tokens go in as few equal rounds as keep within it.
 

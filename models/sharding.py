@@ -2,7 +2,7 @@
 
 Every parameter carries one logical name per dimension (``nnx.Param`` metadata
 ``out_sharding``, stored without a mesh). ``DEFAULT_RULES`` map the names to the axes of
-``jaxhead.mesh`` (``data, fsdp, expert, tensor``); ``state_shardings`` turns a state into
+``models.mesh`` (``data, fsdp, expert, tensor``); ``state_shardings`` turns a state into
 ``NamedSharding`` s, ``shard_model`` / ``init_sharded`` place a model, ``jit_sharded``
 compiles a step under the mesh.
 """
@@ -53,7 +53,7 @@ def logical_partition_specs(model: nnx.Module) -> nnx.State:
     return nnx.get_partition_spec(nnx.state(model, nnx.Param))
 
 
-#: Logical axis -> mesh axis (or None: replicated), for the ``jaxhead.mesh`` axes:
+#: Logical axis -> mesh axis (or None: replicated), for the ``models.mesh`` axes:
 #: experts over ``expert``; the hidden ("embed") dimension over ``fsdp`` (ZeRO-3);
 #: heads, MLP width and vocabulary over ``tensor`` (Megatron); ``head_dim`` replicated.
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (

@@ -109,7 +109,7 @@ def base_config() -> ConfigDict:
 
     c.metrics = ConfigDict({"tensorboard": True, "peak_flops": 0.0})  # 0: by device kind
 
-    # Device mesh over all global devices (jaxhead.mesh axes; one size may be -1: the rest).
+    # Device mesh over all global devices (models.mesh axes; one size may be -1: the rest).
     c.mesh = ConfigDict({"data": -1, "fsdp": 1, "expert": 1, "tensor": 1})
     # Several hosts (train.distributed): empty = the JAX_COORDINATOR_ADDRESS /
     # JAX_NUM_PROCESSES / JAX_PROCESS_ID environment variables, none set = one process.

@@ -7,7 +7,7 @@
   variables; none of them set: one process), or ``enabled=True`` for
   ``jax.distributed.initialize()``'s own cluster detection (Cloud TPU pod slices, SLURM,
   Open MPI, Kubernetes). ``initialize(cfg)`` runs before any other JAX call.
-* ``mesh``: the axis sizes of ``jaxhead.mesh.make_mesh`` over all global devices
+* ``mesh``: the axis sizes of ``models.mesh.make_mesh`` over all global devices
   (default: every device on ``data``).
 
 ``Placement`` holds the mesh and the ``NamedSharding`` of every parameter (the models'
@@ -19,7 +19,8 @@ Rollouts are one global SPMD program (the parameters stay in their training layo
 prompts, the RNG key and thus the sampled completions are the same on every process,
 and every process reads back all of them), so every process holds the same packed global
 batch; ``Placement.device_batch`` hands each device its rows of it, the head's bucket is
-agreed with ``jaxhead.bucket_for_shards`` (a collective) and the jitted steps run with
+the fullest token shard's (``jaxhead.bucket_for_shards``, the same on every process
+since every process holds the same batch) and the jitted steps run with
 in/out shardings under ``jax.set_mesh`` (the MoE is expert-parallel, the head runs per
 token shard through ``jaxhead.sharded_token_logprobs``). Rollouts are replicated work
 (simple and exactly the single-process numbers); the training step is data / expert /
@@ -47,17 +48,42 @@ from jax.sharding import PartitionSpec as P
 
 import jaxhead
 import models
-from jaxhead.mesh import (
+from models.mesh import (
     BATCH_AXES,
     axis_size,
     batch_sharding,
     check_divisible,
-    initialize_distributed,
     make_mesh,
+    present,
 )
 from train import state
 
 _ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def initialize_distributed(coordinator_address: str | None = None,
+                           num_processes: int | None = None,
+                           process_id: int | None = None) -> tuple[int, int]:
+    """Start JAX's multi-controller runtime (``jax.distributed.initialize``) once per process.
+
+    Arguments left None come from ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
+    ``JAX_PROCESS_ID``; when none is set anywhere, ``jax.distributed.initialize()`` is
+    called without arguments and detects the cluster itself (Cloud TPU pod slices, SLURM,
+    Open MPI, Kubernetes ...). Call it before any other JAX call.
+
+    Returns:
+      ``(jax.process_index(), jax.process_count())``.
+    """
+    env = os.environ
+    address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS")
+    if num_processes is None and "JAX_NUM_PROCESSES" in env:
+        num_processes = int(env["JAX_NUM_PROCESSES"])
+    if process_id is None and "JAX_PROCESS_ID" in env:
+        process_id = int(env["JAX_PROCESS_ID"])
+    kwargs = {"coordinator_address": address, "num_processes": num_processes,
+              "process_id": process_id}
+    jax.distributed.initialize(**{k: v for k, v in kwargs.items() if v is not None})
+    return jax.process_index(), jax.process_count()
 
 
 def initialize(cfg) -> tuple[int, int]:
@@ -72,6 +98,27 @@ def initialize(cfg) -> tuple[int, int]:
         return 0, 1
     return initialize_distributed(d.coordinator_address or None, d.num_processes or None,
                                   None if d.process_id < 0 else d.process_id)
+
+
+def shard_batch(batch, mesh, axes=BATCH_AXES):
+    """Place a pytree of host arrays ``[B_local, ...]`` as global arrays split over ``axes``.
+
+    Each process passes its own rows (a single process: the whole batch); the global batch
+    is the concatenation over processes in process order
+    (``jax.make_array_from_process_local_data``).
+
+    Raises:
+      ValueError: a global row count not divisible by the batch shards, before anything is
+        transferred or compiled (both numbers named).
+    """
+    sharding = batch_sharding(mesh, axes)
+
+    def put(x):
+        x = np.asarray(x)
+        check_divisible(x.shape[0] * jax.process_count(), mesh, axes)
+        return jax.make_array_from_process_local_data(sharding, x)
+
+    return jax.tree.map(put, batch)
 
 
 def mesh_active() -> bool:
@@ -90,7 +137,9 @@ def token_logprobs(model, tokens, positions, segment_ids, labels, keep=None, *,
                                     temperature=temperature, with_entropy=with_entropy,
                                     bucket=bucket)
     out = model(tokens, positions, segment_ids)
-    head = model.lm_head.sharded(out.hidden, labels, keep, temperature=temperature,
+    axes = present(jax.sharding.get_abstract_mesh(), BATCH_AXES)
+    head = model.lm_head.sharded(out.hidden, labels, keep, token_axes=axes,
+                                 temperature=temperature,
                                  with_entropy=with_entropy, bucket=bucket)
     return head, out.aux_loss
 
@@ -122,7 +171,7 @@ class Placement:
     """The mesh of a run and where its arrays live.
 
     Attributes:
-      mesh: the ``jaxhead.mesh`` mesh over all global devices.
+      mesh: the ``models.mesh`` mesh over all global devices.
       sharded: more than one device (else the steps run exactly as without a mesh).
       params: parameter key -> ``NamedSharding``.
       replicated, batch: ``NamedSharding`` s for replicated values and ``[B, ...]`` batches.
@@ -219,8 +268,8 @@ class Placement:
 
     def bucket(self, packed, multiple: int) -> int:
         """The head's static bucket: ``packed.bucket`` on one device; on a mesh the rung
-        of the fullest token shard (``jaxhead.bucket_for_shards``, agreed over
-        processes)."""
+        of the fullest token shard (``jaxhead.bucket_for_shards``; every process holds
+        the same global batch, so no collective is needed)."""
         if not self.sharded:
             return packed.bucket(multiple)
         keep = np.asarray(packed.loss_mask) != 0

@@ -1,0 +1,67 @@
+"""Multi-device cases of the sharded head, run by ``tests.support.multidevice`` in a
+subprocess with 8 CPU devices (``tests/jaxhead/test_sharded_head.py``). The mesh is a plain
+``jax.make_mesh``: jaxhead takes a mesh and axis names, whatever their meaning."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType
+
+import jaxhead
+from tests.support.oracle import head_inputs, max_abs, max_rel
+
+HEAD_CONFIGS = {
+    "tokens": {"token_axes": ("data", "expert"), "vocab_axis": None},
+    "vocab_parallel": {"token_axes": ("data",), "vocab_axis": "expert"},
+}
+
+
+def mesh_2x4():
+    """A ``("data", "expert")`` mesh of 2 x 4 CPU devices, ``Auto`` axes."""
+    return jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+
+
+def head_case() -> dict:
+    """Sharded head vs ``jaxhead.token_logprobs`` on one device: values and gradients of
+    ``sum(g * logp) + sum(e * entropy)``, per-token temperatures, soft-cap, uneven keep."""
+    mesh = mesh_2x4()
+    b, s, h, v = 8, 96, 64, 2048
+    hidden, weight, labels = head_inputs(0, b * s, h, v)
+    hidden, labels = hidden.reshape(b, s, h), labels.reshape(b, s)
+    rng = np.random.default_rng(0)
+    keep = rng.random((b, s)) < np.linspace(0.1, 0.6, b)[:, None]  # uneven across shards
+    temp = rng.uniform(0.6, 1.4, (b, s)).astype(np.float32)
+    g = (rng.standard_normal((b, s)) / keep.sum()).astype(np.float32)
+    e = (rng.standard_normal((b, s)) / keep.sum()).astype(np.float32)
+    kw = {"temperature": temp, "softcap": 25.0, "token_chunk": 16, "vocab_chunk": 192}
+
+    def value_and_grad(head):
+        def loss(hd, w):
+            out = head(hd, w)
+            return jnp.sum(g * out.logprobs) + jnp.sum(e * out.entropy), out
+
+        return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(hidden, weight)
+
+    (_, ref), ref_grads = value_and_grad(
+        lambda hd, w: jaxhead.token_logprobs(hd, w, labels, keep, **kw))
+    results = {}
+    for name, axes in HEAD_CONFIGS.items():
+        shards = int(np.prod([dict(mesh.shape)[a] for a in axes["token_axes"]]))
+        bucket = jaxhead.bucket_for_shards(keep, shards, multiple=16)
+        (_, out), grads = value_and_grad(
+            lambda hd, w, axes=axes, bucket=bucket: jaxhead.sharded_token_logprobs(
+                hd, w, labels, keep, mesh=mesh, bucket=bucket, **axes, **kw))
+        results[name] = {
+            "logprobs": max_abs(out.logprobs, ref.logprobs),
+            "entropy": max_abs(out.entropy, ref.entropy),
+            "dhidden": max_abs(grads[0], ref_grads[0]),
+            "dweight": max_abs(grads[1], ref_grads[1]),
+            "dhidden_rel": max_rel(grads[0], ref_grads[0]),
+            "dweight_rel": max_rel(grads[1], ref_grads[1]),
+            "bucket": bucket,
+            "tokens_per_shard": b * s // shards,
+            "out_spec": str(out.logprobs.sharding.spec),
+        }
+    return results

@@ -1,0 +1,84 @@
+"""Bad input raises clear errors that name the offending values."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxhead
+from tests.support.oracle import head_inputs
+
+
+@pytest.fixture(scope="module")
+def data():
+    return head_inputs(20, 40, 16, 300)
+
+
+def test_kept_labels_out_of_range_name_count_and_first_position(data):
+    hidden, weight, labels = data
+    bad = labels.at[7].set(300).at[9].set(-1).at[2].set(-100)
+    keep = jnp.ones(40, bool).at[2].set(False)  # -100 on a skipped token is fine
+    with pytest.raises(ValueError, match=r"2 kept label\(s\) outside \[0, 300\); first at "
+                       r"position \(7,\) with value 300"):
+        jaxhead.token_logprobs(hidden, weight, bad, keep)
+    out = jaxhead.token_logprobs(hidden, weight, labels.at[2].set(-100), keep)
+    assert np.isfinite(np.asarray(out.logprobs)).all()
+
+
+def test_batched_label_error_names_multi_dim_position(data):
+    hidden, weight, labels = data
+    bad = labels.reshape(4, 10).at[3, 1].set(10**6)
+    with pytest.raises(ValueError, match=r"position \(3, 1\)"):
+        jaxhead.token_logprobs(hidden.reshape(4, 10, 16), weight, bad)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(weight=jnp.zeros((17, 300))), r"hidden shape \(40, 16\) and weight shape \(17, 300\)"),
+        (dict(labels=jnp.zeros((41,), jnp.int32)), r"labels shape \(41,\) must equal hidden shape"),
+        (dict(keep=jnp.ones((39,), bool)), r"keep shape \(39,\) != labels shape \(40,\)"),
+        (dict(temperature=jnp.ones((3,))), r"temperature must be a scalar or of labels shape"),
+        (dict(weight=jnp.zeros((16,))), r"weight must be \[H, V\], got shape \(16,\)"),
+    ],
+)
+def test_shape_mismatch_names_both_shapes(data, change, match):
+    hidden, weight, labels = data
+    kw = dict(hidden=hidden, weight=weight, labels=labels, keep=None, temperature=1.0)
+    kw.update(change)
+    with pytest.raises(ValueError, match=match):
+        jaxhead.token_logprobs(kw.pop("hidden"), kw.pop("weight"), kw.pop("labels"),
+                               kw.pop("keep"), **kw)
+
+
+def test_dtype_mismatches_name_both_dtypes(data):
+    hidden, weight, labels = data
+    with pytest.raises(TypeError, match="hidden dtype bfloat16 != weight dtype float32"):
+        jaxhead.token_logprobs(hidden.astype(jnp.bfloat16), weight, labels)
+    with pytest.raises(TypeError, match="labels must be integer, got float32"):
+        jaxhead.token_logprobs(hidden, weight, labels.astype(jnp.float32))
+    with pytest.raises(TypeError, match="keep must be bool, got int32"):
+        jaxhead.token_logprobs(hidden, weight, labels, jnp.ones(40, jnp.int32))
+
+
+def test_bucket_smaller_than_kept_count_raises_never_drops(data):
+    hidden, weight, labels = data
+    keep = jnp.arange(40) % 2 == 0
+    with pytest.raises(ValueError, match=r"bucket=8 is smaller than the 20 kept tokens"):
+        jaxhead.token_logprobs(hidden, weight, labels, keep, bucket=8)
+    out = jaxhead.token_logprobs(hidden, weight, labels, keep, bucket=20)
+    assert np.all(np.asarray(out.logprobs)[np.asarray(keep)] < 0)
+
+
+def test_bad_temperature_softcap_impl(data):
+    hidden, weight, labels = data
+    with pytest.raises(ValueError, match=r"1 kept temperature\(s\) not > 0; first at position "
+                       r"\(5,\) with value 0.0"):
+        jaxhead.token_logprobs(hidden, weight, labels, temperature=jnp.ones(40).at[5].set(0.0))
+    with pytest.raises(ValueError, match="softcap must be > 0 or None, got -1.0"):
+        jaxhead.token_logprobs(hidden, weight, labels, softcap=-1.0)
+    with pytest.raises(ValueError, match=r"impl must be one of .* got 'cuda'"):
+        jaxhead.token_logprobs(hidden, weight, labels, impl="cuda")
+    with pytest.raises(ValueError, match="bucket must be a non-negative int or None, got 2.5"):
+        jaxhead.token_logprobs(hidden, weight, labels, jnp.ones(40, bool), bucket=2.5)

@@ -1,0 +1,95 @@
+"""``impl=`` dispatch to the Pallas kernels in ``jaxhead.token_logprobs``: ``"auto"`` by
+backend, logged fallback to XLA, explicit kernels that cannot run, the interpret switch."""
+
+from __future__ import annotations
+
+import logging
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxhead
+from jaxhead import head, pallas_mode, pallas_triton
+from tests.jaxhead.pallas_cases import HIDDEN, assert_matches, batch
+
+
+@pytest.mark.parametrize(
+    "backend, want", [("tpu", "pallas_tpu"), ("gpu", "pallas_triton"), ("cpu", "xla")]
+)
+def test_auto_picks_by_backend(monkeypatch, backend, want):
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    assert head.resolve_impl("auto") == want
+    for name in ("xla", "reference", "pallas_tpu", "pallas_triton"):
+        assert head.resolve_impl(name) == name
+    with pytest.raises(ValueError, match="pallas_triton"):
+        head.resolve_impl("triton")
+
+
+def _forward(impl, data, **kw):
+    """jitted forward; ``keep`` stays a concrete constant, so the bucket is its count."""
+    hidden, weight, labels, keep, temp, _ = data
+
+    @jax.jit
+    def run(hidden, weight):
+        out = jaxhead.token_logprobs(
+            hidden, weight, labels, keep, temperature=temp, softcap=5.0, impl=impl, **kw
+        )
+        return out.logprobs, out.entropy
+
+    return run(hidden, weight)
+
+
+def test_auto_falls_back_to_xla_with_a_logged_reason(monkeypatch, caplog):
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    data = batch(jnp.float16)  # the TPU kernel takes bf16 / float32 only
+    with caplog.at_level(logging.WARNING, logger="jaxhead.head"):
+        got = _forward("auto", data)
+    assert "pallas_tpu" in caplog.text and "float16" in caplog.text
+    chex.assert_trees_all_equal(got, _forward("xla", data))
+
+
+def test_auto_on_gpu_runs_the_triton_kernel(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    calls = []
+    real = pallas_triton.chunked_head
+
+    def spy(*args):
+        calls.append(args[0])
+        return real(*args)
+
+    monkeypatch.setattr(pallas_triton, "chunked_head", spy)
+    data = batch(jnp.float32, seed=11)
+    blocks = pallas_triton.TritonBlocks(16, 256, 64, num_warps=4, num_stages=2)
+    with pallas_mode.interpret():
+        got = _forward("auto", data, blocks=blocks)
+    assert len(calls) == 1 and calls[0].blocks.block_tokens == 16
+    assert_matches(got, _forward("xla", data), jnp.float32)
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_triton"])
+def test_explicit_kernel_that_cannot_run_raises(impl):
+    hidden = jnp.ones((4, HIDDEN), jnp.float32)
+    weight = jnp.ones((HIDDEN, 256), jnp.float32)
+    labels = jnp.arange(4)
+    with pytest.raises(pallas_mode.KernelUnsupported, match="JAXHEAD_PALLAS_INTERPRET"):
+        jaxhead.token_logprobs(hidden, weight, labels, impl=impl)
+
+
+def test_interpret_switch(monkeypatch):
+    for raw, mode in [("1", "interpret"), ("races", "races"), ("0", None), ("", None)]:
+        monkeypatch.setenv(pallas_mode.ENV_VAR, raw)
+        assert pallas_mode.interpret_mode() == mode
+    monkeypatch.setenv(pallas_mode.ENV_VAR, "1")
+    with pallas_mode.interpret(None):
+        assert pallas_mode.interpret_mode() is None
+        with pallas_mode.interpret("races"):
+            assert pallas_mode.interpret_mode() == "races"
+        assert pallas_mode.interpret_mode() is None
+    assert pallas_mode.interpret_mode() == "interpret"
+    monkeypatch.setenv(pallas_mode.ENV_VAR, "yes")
+    with pytest.raises(ValueError, match=pallas_mode.ENV_VAR):
+        pallas_mode.interpret_mode()
+    with pytest.raises(ValueError, match="mode"), pallas_mode.interpret("fast"):
+        pass

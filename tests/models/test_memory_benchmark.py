@@ -1,0 +1,24 @@
+"""``benchmarks/memory.py`` runs end to end (tiny MoE, 4 fake CPU devices) and prints a
+table row whose parameter bytes match the sharded parameter count."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.support import ROOT
+
+
+def test_memory_benchmark_tiny():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/memory.py", "--preset", "tiny-moe",
+         "--mesh", "fsdp=2,expert=2", "--seq", "32"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| tiny-moe")]
+    assert len(rows) == 1, proc.stdout
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert cells[1:4] == ["fsdp=2 x expert=2", "4", "32"]
+    params, adam, temp, peak = map(float, cells[4:])
+    assert abs(adam - 2 * params) <= 1e-2 * adam and 0 < temp and peak >= params + adam

@@ -1,0 +1,43 @@
+"""Placement rules: logical axes -> mesh axes, and models created in their sharded layout."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from models import Transformer, get_config, init_sharded, make_mesh, state_shardings
+from models.sharding import logical_to_mesh
+from tests.support.multidevice import abstract_mesh
+
+
+def test_default_rules():
+    mesh = abstract_mesh(data=2, fsdp=2, expert=2, tensor=2)
+    assert logical_to_mesh(("expert", "embed", "mlp"), mesh) == P("expert", "fsdp", "tensor")
+    assert logical_to_mesh(("embed", "heads", "head_dim"), mesh) == P("fsdp", "tensor", None)
+    assert logical_to_mesh(("vocab", "embed"), mesh) == P("tensor", "fsdp")
+    rules = (("embed", "fsdp"), ("mlp", ("fsdp", "tensor")), ("vocab", "model"))
+    # an axis used by an earlier dimension is dropped; an axis the mesh lacks too
+    assert logical_to_mesh(("embed", "mlp", "vocab"), mesh, rules) == P("fsdp", "tensor", None)
+    with pytest.raises(ValueError, match=r"q_proj of shape \(64, 3, 16\): dimension 1 "
+                                         r"\(heads\) of size 3 is not divisible by the 2"):
+        logical_to_mesh(("embed", "heads", "head_dim"), mesh, shape=(64, 3, 16), what="q_proj")
+
+
+def test_state_shardings_and_init_sharded():
+    cfg = get_config("tiny-moe", num_hidden_layers=1)
+    mesh = make_mesh()  # every device on "data" (one here)
+    model = init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+    specs = {"/".join(map(str, p)): v.get_value().spec
+             for p, v in nnx.to_flat_state(state_shardings(nnx.state(model), mesh))}
+    assert specs["layers/0/mlp/gate_proj"] == P("expert", "fsdp", "tensor")
+    assert specs["layers/0/mlp/router"] == P("fsdp", "expert")
+    assert specs["layers/0/self_attn/q_proj"] == P("fsdp", "tensor", None)
+    assert specs["embed_tokens/embedding"] == P("tensor", "fsdp")
+    assert specs["lm_head/kernel"] == P("fsdp", "tensor")
+    placed = model.layers[0].mlp.down_proj[...]
+    assert placed.sharding.spec == P("expert", "tensor", "fsdp")
+    plain = jax.jit(lambda: nnx.state(Transformer(cfg, rngs=nnx.Rngs(0))))()
+    chex.assert_trees_all_equal(nnx.state(model), plain)

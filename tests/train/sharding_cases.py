@@ -1,0 +1,69 @@
+"""Multi-device case of the trainer's GRPO step, run by ``tests.support.multidevice`` in
+a subprocess with 8 CPU devices (``tests/train/test_sharded_step.py``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import get_config
+from models.mesh import make_mesh
+from tests.models.sharding_cases import MOE_MESH
+from tests.support.models import random_model
+from tests.support.oracle import max_abs
+
+
+def grpo_step_case() -> dict:
+    """``train.steps.grpo_step`` (reference forward, clipped surrogate, KL, entropy, MoE aux
+    loss, Adam) on the tiny MoE: on one device vs placed by ``train.distributed.Placement``
+    on data=2 x expert=4 (expert-parallel MoE, sharded head, sharded Adam moments). Adam
+    runs with ``eps=1`` so that an update is a smooth function of its gradient."""
+    import optax
+
+    from train import distributed, rl_loss, state, steps
+    from train.packing import pack
+
+    model = random_model(get_config("tiny-moe", dtype="float32"), seed=3)
+    mdef, params = state.ModelDef.of(model.cfg), jax.device_get(state.params_of(model))
+    tx = optax.adam(1.0, eps=1.0)
+    lcfg = rl_loss.LossConfig(eps_low=0.2, eps_high=0.28, beta=0.04, kl_estimator="k3",
+                              entropy_coef=0.01, aggregation="token-mean",
+                              max_completion_len=12)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(1, 500, rng.integers(4, 12)).tolist() for _ in range(12)]
+    comps = [rng.integers(1, 500, rng.integers(2, 13)).tolist() for _ in range(12)]
+    adv = rng.standard_normal(12).astype(np.float32)
+    packed = pack(prompts, comps, 32, row_multiple=8, values={
+        "old_logp": [rng.uniform(-7.0, -5.0, len(c)) for c in comps],
+        "advantages": [np.full(len(c), a, np.float32) for c, a in zip(comps, adv)]})
+
+    def run(placement):
+        p = jax.tree.map(jnp.asarray, params) if placement is None else \
+            placement.place_params(params)
+        opt = placement.init_opt(tx, p) if placement else tx.init(p)
+        b = placement.device_batch(packed, "old_logp", "advantages") if placement else \
+            steps.device_batch(packed, "old_logp", "advantages")
+        bucket = placement.bucket(packed, 16) if placement else packed.bucket(16)
+        ref = steps.reference_logprobs(mdef, 1.0, True, placement)(p, b, bucket)
+        new, opt, m = steps.grpo_step(mdef, tx, lcfg, 1.0, True, placement=placement)(
+            p, opt, b, ref, packed.num_seqs, bucket)
+        return new, opt, m, bucket
+
+    p1, o1, m1, bucket1 = run(None)
+    placement = distributed.Placement(make_mesh(MOE_MESH), mdef)
+    p8, o8, m8, bucket8 = run(placement)
+    gate = "layers.0.mlp.gate_proj"
+    return {
+        "metrics": {k: max_abs(m8[k], m1[k]) for k in m1},
+        "values": {k: float(v) for k, v in m1.items()},
+        "params": max(max_abs(p8[k], p1[k]) for k in p1),
+        "param_change": max(max_abs(p1[k], params[k]) for k in p1),
+        "moments": max(max_abs(a, b) for a, b in zip(jax.tree.leaves(o8),
+                                                       jax.tree.leaves(o1), strict=True)),
+        "buckets": [bucket1, bucket8], "rows": int(packed.tokens.shape[0]),
+        "param_specs_kept": all(p8[k].sharding == placement.params[k] for k in p8),
+        "gate_shard": list(p8[gate].sharding.shard_shape(p8[gate].shape)),
+        "gate_moment_shard": [list(x.sharding.shard_shape(x.shape)) for x in
+                              jax.tree.leaves(o8) if x.shape == p8[gate].shape],
+    }

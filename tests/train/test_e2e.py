@@ -1,0 +1,139 @@
+"""End to end: ``python -m train.grpo`` on the micro config (SFT stage, evals, 2 GRPO
+steps), SIGKILL + resume, and clear errors for bad input.
+
+The runs share a persistent XLA compilation cache (one directory for every pytest-xdist
+worker), so later runs of the same shapes skip most compiles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import ROOT
+
+MICRO = str(ROOT / "configs" / "grpo_micro.py")
+TRAIN_KEYS = {
+    "reward_mean", "reward_std", "accuracy", "zero_std_group_fraction",
+    "completion_length_mean", "kl", "clip_fraction", "entropy", "grad_norm", "lr",
+    "lm_head_token_fraction", "logprob_diff_mean", "logprob_diff_max", "tokens_per_s",
+    "mfu", "peak_memory_bytes", "time_rollout_s", "time_reference_s", "time_train_s",
+    "sampling_path",
+}
+
+
+@pytest.fixture(scope="session")
+def env(tmp_path_factory):
+    cache = tmp_path_factory.getbasetemp().parent / "jax_compilation_cache"
+    return dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+
+
+def _cmd(workdir, *overrides):
+    return [sys.executable, "-m", "train.grpo", f"--config={MICRO}",
+            f"--config.workdir={workdir}", *overrides]
+
+
+def _records(workdir):
+    return [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text()
+            .splitlines()]
+
+
+def _complete_checkpoints(directory):
+    return sorted(int(p.name) for p in Path(directory).iterdir() if p.name.isdigit())
+
+
+def test_two_grpo_steps_end_to_end(tmp_path, env):
+    work = tmp_path / "run"
+    # beta > 0: the reference forward and the KL metric run too
+    out = subprocess.run(_cmd(work, "--config.loss.beta=0.01"), cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "before GRPO: 16 held-out problems" in out.stdout
+    assert "after GRPO: 16 held-out problems" in out.stdout
+    assert "| sampled reward (T=1) |" in out.stdout and "| greedy accuracy |" in out.stdout
+    recs = _records(work)
+    train = [r for r in recs if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert TRAIN_KEYS <= set(r), TRAIN_KEYS - set(r)
+        assert 0 < r["lm_head_token_fraction"] < 0.5
+        assert r["logprob_diff_max"] <= 1e-4
+        assert r["sampling_path"] == "chunked_gumbel_max"
+    assert {r["kind"] for r in recs} == {"sft", "eval_before", "train", "eval_after"}
+    assert _complete_checkpoints(work / "grpo")[-1] == 2
+    assert (work / "tb").is_dir()
+
+
+def test_sigkill_then_rerun_resumes_without_loss_or_duplicates(tmp_path, env):
+    work = tmp_path / "run"
+    args = ("--config.train.steps=6", "--config.checkpoint.every=2",
+            "--config.checkpoint.keep=10", "--config.eval.before_after=False")
+    proc = subprocess.Popen(_cmd(work, *args), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    metrics = work / "metrics.jsonl"
+    deadline = time.monotonic() + 500
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and any(
+                    r["kind"] == "train" and r["step"] >= 3 for r in _records(work)):
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    written = metrics.read_bytes()
+    complete_before = _complete_checkpoints(work / "grpo")
+    assert complete_before and complete_before[-1] >= 2
+
+    out = subprocess.run(_cmd(work, *args), cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"grpo: resuming from checkpoint step {complete_before[-1]}" in out.stdout
+    final = metrics.read_bytes()
+    cut = written[: written.rfind(b"\n") + 1]  # a line the kill cut short is dropped
+    assert final.startswith(cut), "lines written before the kill changed"
+    keys = [(r["kind"], r["step"]) for r in _records(work)]
+    assert len(keys) == len(set(keys)), "duplicated metrics lines"
+    assert [s for k, s in keys if k == "train"] == [1, 2, 3, 4, 5, 6]
+    after = _complete_checkpoints(work / "grpo")
+    assert set(complete_before) <= set(after) and after[-1] == 6
+    assert not [p for p in (work / "grpo").iterdir() if "tmp" in p.name]
+
+
+def test_unknown_config_key_lists_valid_keys(tmp_path, env):
+    out = subprocess.run(_cmd(tmp_path / "w", "--config.optim.lr=1e-5"), cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert "unknown config key(s) ['optim.lr']" in out.stderr
+    assert "train.optim.lr" in out.stderr and "loss.beta" in out.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"data.tasks": "chain_sum,no_such_task"}, "unknown reasoning-gym task(s) ['no_such_task']"),
+    ({"init.sft_checkpoint": "MISSING"}, "does not exist"),
+    ({"model.hf_checkpoint": "MISSING"}, "does not exist"),
+])
+def test_bad_input_exits_with_a_clear_error(tmp_path, capsys, override, message):
+    from train import setup
+    from train.cli import _load
+
+    cfg = _load(MICRO)
+    for key, value in override.items():
+        section, name = key.split(".")
+        cfg[section][name] = value.replace("MISSING", str(tmp_path / "missing"))
+    cfg.workdir = str(tmp_path / "w")
+    with pytest.raises(SystemExit) as exc:
+        setup.build_or_exit(cfg)
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
