@@ -35,8 +35,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxhead
-from jaxhead import pallas_mode
-from jaxhead.pallas_triton import TritonBlocks
 
 FULL = {"n": 16384, "hidden": 4096, "vocab": 151936, "iters": 5, "matmul": 8192}
 DRY = {"n": 64, "hidden": 64, "vocab": 500, "iters": 1, "matmul": 128}
@@ -62,7 +60,7 @@ def _step(impl: str, labels, temp, adv, blocks):
         if impl == "reference":
             out = jaxhead.reference_token_logprobs(h, w, labels, temperature=temp)
         else:
-            kw = {"blocks": blocks} if impl == "pallas_triton" else {}
+            kw = {"config": blocks} if impl == "pallas_triton" else {}
             out = jaxhead.token_logprobs(h, w, labels, temperature=temp, impl=impl, **kw)
         value = jnp.mean(adv * out.logprobs) + 0.01 * jnp.mean(out.entropy)
         return value, (out.logprobs, out.entropy)
@@ -106,8 +104,8 @@ def _max_diff(a, b) -> float:
 
 
 def run(n: int, hidden: int, vocab: int, iters: int, matmul: int, blocks=None) -> list[dict]:
-    """Rows of the table (one per implementation); ``blocks``: Triton tiles (None: the
-    defaults of ``jaxhead.pallas_triton``)."""
+    """Rows of the table (one per implementation); ``blocks``: a
+    ``jaxhead.PallasTritonConfig`` (None: the kernel's defaults)."""
     h, w, labels, temp, adv = _inputs(n, hidden, vocab)
     peak_rate = matmul_rate(matmul, iters)
     useful = 6 * n * hidden * vocab
@@ -180,10 +178,10 @@ def main(argv=None) -> int:
     blocks = None
     if args.triton_blocks:
         t, c, k, warps, stages = (int(x) for x in args.triton_blocks.split(","))
-        blocks = TritonBlocks(t, c, k, num_warps=warps, num_stages=stages)
+        blocks = jaxhead.PallasTritonConfig(t, c, k, num_warps=warps, num_stages=stages)
     t0 = time.perf_counter()
     mode = "interpret" if args.dry_run else None
-    with pallas_mode.interpret(mode):
+    with jaxhead.pallas_interpret(mode):
         rows = run(**sizes, blocks=blocks)
     device = jax.devices()[0]
     print(f"jaxhead gpu_check: {device.device_kind} ({jax.default_backend()}), jax "

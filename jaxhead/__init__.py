@@ -1,36 +1,59 @@
 """jaxhead: exact float32 log-probs and entropy of kept tokens, for RL post-training in JAX.
 
-Public API:
-  token_logprobs            chunked, memory-bounded head on the kept tokens (``HeadOutput``)
-  reference_token_logprobs  plain full-logits head (oracle and baseline)
-  keep_mask                 union of the loss components that read each token
-  next_token_labels         shift-left labels that respect packed segments
-  bucket_size, bucket_ladder  static padded sizes for the kept set
-  LMHead                    Flax NNX module owning or tying the head weight
-  sharded_token_logprobs    the head under a device mesh: per-shard compaction, optional
-                            vocab-parallel (``jaxhead.sharding``)
-  bucket_for_shards         the one static bucket of all token shards (host, multi-host)
+Public API (everything under ``jaxhead._src`` is private and may change):
 
-Sampling from the head (chunked Gumbel-max, no [B, V] logits): ``jaxhead.sampling``.
+  token_logprobs              the chunked, memory-bounded head on the kept tokens
+  sharded_token_logprobs      the same under a device mesh: per-shard compaction, optional
+                              vocab-parallel head
+  reference_token_logprobs    the plain full-logits head (oracle and baseline)
+  sample, Sample              chunked Gumbel-max sampling from the head, no [B, V] logits
+  keep_mask                   union of the loss components that read each token
+  next_token_labels           shift-left labels that respect packed segments
+  bucket_size, bucket_ladder  static padded sizes for the kept set
+  bucket_for_shards           the one static bucket of all token shards (host)
+  LMHead                      Flax NNX module owning or tying the head weight
+  HeadOutput                  the head's result type
+  Impl, IMPLEMENTATIONS       implementation names and the registry (``impl=``)
+  XlaConfig, XlaCpuConfig, PallasTpuConfig, PallasTritonConfig   their settings (``config=``)
+  KernelUnsupported           raised when an explicit implementation cannot run a call
+  pallas_interpret            run the Pallas kernels in interpret mode (tests, CPU)
 """
 
-from jaxhead.buckets import bucket_ladder, bucket_size
-from jaxhead.head import token_logprobs
-from jaxhead.masks import keep_mask, next_token_labels
-from jaxhead.nnx import LMHead
-from jaxhead.reference import reference_token_logprobs
-from jaxhead.sharding import bucket_for_shards, sharded_token_logprobs
-from jaxhead.types import HeadOutput
+from jaxhead._src.buckets import bucket_ladder, bucket_size
+from jaxhead._src.head.api import IMPLEMENTATIONS, Impl, token_logprobs
+from jaxhead._src.head.base import KernelUnsupported
+from jaxhead._src.head.pallas_mode import interpret as pallas_interpret
+from jaxhead._src.head.pallas_tpu import PallasTpuConfig
+from jaxhead._src.head.pallas_triton import PallasTritonConfig
+from jaxhead._src.head.reference import reference_token_logprobs
+from jaxhead._src.head.sharded import bucket_for_shards, sharded_token_logprobs
+from jaxhead._src.head.xla import XlaConfig
+from jaxhead._src.head.xla_cpu import XlaCpuConfig
+from jaxhead._src.masks import keep_mask, next_token_labels
+from jaxhead._src.nnx import LMHead
+from jaxhead._src.sampling import sample, top_p_sample
+from jaxhead._src.types import HeadOutput, Sample
 
 __all__ = [
+    "IMPLEMENTATIONS",
     "HeadOutput",
+    "Impl",
+    "KernelUnsupported",
     "LMHead",
+    "PallasTpuConfig",
+    "PallasTritonConfig",
+    "Sample",
+    "XlaConfig",
+    "XlaCpuConfig",
     "bucket_for_shards",
     "bucket_ladder",
     "bucket_size",
     "keep_mask",
     "next_token_labels",
+    "pallas_interpret",
     "reference_token_logprobs",
+    "sample",
     "sharded_token_logprobs",
     "token_logprobs",
+    "top_p_sample",
 ]

@@ -10,9 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhead import sampling
+import jaxhead
 from train import distributed
 from train.state import ModelDef, Params
+
+#: Names of the two sampling paths, as reported in training metrics.
+PATH_GUMBEL = "chunked_gumbel_max"
+PATH_TOP_P = "full_logits_top_p"
 
 
 class Rollout(NamedTuple):
@@ -25,7 +29,7 @@ class Rollout(NamedTuple):
       lengths: int32 ``[B]`` completion lengths, the stop token included.
       stopped: bool ``[B]``: the completion ended with a stop token (else it hit
         ``max_new_tokens``).
-      path: the sampling path (``jaxhead.sampling.PATH_*``).
+      path: the sampling path (``PATH_GUMBEL`` or ``PATH_TOP_P``).
     """
 
     tokens: np.ndarray
@@ -63,9 +67,8 @@ def _generator(mdef: ModelDef, max_new_tokens: int, top_p: float | None,
         kw = {"temperature": temperature, "softcap": model.lm_head.softcap,
               "num_valid": num_valid}
         if top_p is not None:
-            return sampling.top_p_sample(hidden.astype(dtype), w, key, top_p=top_p, **kw)
-        return sampling.sample(hidden.astype(dtype), w, key,
-                               vocab_chunk=model.lm_head.vocab_chunk, **kw)
+            return jaxhead.top_p_sample(hidden.astype(dtype), w, key, top_p=top_p, **kw)
+        return jaxhead.sample(hidden.astype(dtype), w, key, **kw)
 
     @jax.jit
     def generate(params, prompts, lens, key, temperature):
@@ -130,5 +133,5 @@ def generate(mdef: ModelDef, params: Params, prompts, key: jax.Array, *, max_new
                     int(num_valid))
     toks, lps, length, done = distributed.to_host(  # every process reads every row
         fn(params, padded, lens, key, jnp.float32(temperature)))
-    path = sampling.PATH_TOP_P if nucleus else sampling.PATH_GUMBEL
+    path = PATH_TOP_P if nucleus else PATH_GUMBEL
     return Rollout(toks, lps, length, done, path)

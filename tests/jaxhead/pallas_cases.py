@@ -1,8 +1,8 @@
 """Inputs, oracle and comparison shared by the Pallas kernel tests (interpret mode, CPU).
 
-The oracle is the XLA chunked path (``jaxhead.xla.chunked_head``). Every quantity the
-kernels produce is compared: log-probs, entropy, and the gradients w.r.t. hidden and
-weight of a loss that reads both (mean-normalised, as an RL loss is).
+The oracle is the XLA chunked path (``impl="xla"``). Every quantity the kernels produce is
+compared: log-probs, entropy, and the gradients w.r.t. hidden and weight of a loss that
+reads both (mean-normalised, as an RL loss is).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxhead
-from jaxhead import xla
+from jaxhead._src.head import api
+from jaxhead._src.head.base import HeadSpec
 
 HIDDEN = 128
 TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-3}
@@ -60,24 +61,23 @@ def inputs(case: Case):
     return h, w, labels, inv_temp, g, e
 
 
-def xla_head(case: Case):
-    """The oracle as ``head(h, w, labels, inv_temp) -> (logZ, logp, entropy)`` for any row
-    count (rows padded with zeros to the XLA chunk, then sliced off)."""
-    cfg, padded = xla.make_config(
-        case.n, HIDDEN, case.vocab, case.dtype, softcap=case.softcap,
-        with_entropy=case.with_entropy,
-        token_chunk=64, vocab_chunk=384,
-    )
+def head_fn(impl: str, case: Case, config=None, hidden: int = HIDDEN, mode="interpret"):
+    """``head(h, w, labels, inv_temp) -> (logp, entropy)`` of implementation ``impl`` on
+    ``case.n`` rows (padded to its tiles and sliced back by ``api.run_compacted``), planned
+    with ``config`` in Pallas ``mode``."""
+    spec = HeadSpec(case.n, hidden, case.vocab, case.dtype, case.softcap, case.with_entropy)
+    with jaxhead.pallas_interpret(mode):
+        chosen, made, padded = api.plan(impl, config, spec)
 
     def head(h, w, labels, inv_temp):
-        pad = padded - h.shape[0]
-        out = xla.chunked_head(
-            cfg, jnp.pad(h, ((0, pad), (0, 0))), w, jnp.pad(labels, (0, pad)),
-            jnp.pad(inv_temp, (0, pad), constant_values=1.0),
-        )
-        return tuple(x[: h.shape[0]] for x in out)
+        return api.run_compacted(chosen, made, padded, h, w, labels, inv_temp)
 
     return head
+
+
+def xla_head(case: Case):
+    """The oracle: ``head_fn`` of the XLA path with several chunks on each axis."""
+    return head_fn("xla", case, jaxhead.XlaConfig(token_chunk=64, vocab_chunk=384))
 
 
 def results(head, h, w, labels, inv_temp, g, e):
@@ -87,7 +87,7 @@ def results(head, h, w, labels, inv_temp, g, e):
     @jax.jit
     def run(h, w, labels, inv_temp, g, e):
         def loss(h, w):
-            _, logp, ent = head(h, w, labels, inv_temp)
+            logp, ent = head(h, w, labels, inv_temp)
             return jnp.sum(g * logp) + jnp.sum(e * ent), (logp, ent)
 
         (_, (logp, ent)), (dh, dw) = jax.value_and_grad(loss, (0, 1), has_aux=True)(h, w)
@@ -171,15 +171,14 @@ def token_logprobs_results(impl: str, data, **kw):
     return run(hidden, weight)
 
 
-def assert_token_logprobs_match(impl: str, dtype, blocks) -> None:
+def assert_token_logprobs_match(impl: str, dtype, config) -> None:
     """``impl`` (in interpret mode) equals the XLA path on ``batch(dtype)``, and skipped
     tokens get exactly zero log-prob and gradient."""
-    from jaxhead import pallas_mode
-
     data = batch(dtype)
-    with pallas_mode.interpret():
-        got = token_logprobs_results(impl, data, blocks=blocks)
-    want = token_logprobs_results("xla", data, token_chunk=16, vocab_chunk=384)
+    with jaxhead.pallas_interpret():
+        got = token_logprobs_results(impl, data, config=config)
+    want = token_logprobs_results("xla", data,
+                                  config=jaxhead.XlaConfig(token_chunk=16, vocab_chunk=384))
     assert_matches(got, want, dtype)
     skipped = ~np.asarray(data[3])
     assert np.all(np.asarray(got[0])[skipped] == 0.0)

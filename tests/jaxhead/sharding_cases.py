@@ -35,7 +35,8 @@ def head_case() -> dict:
     temp = rng.uniform(0.6, 1.4, (b, s)).astype(np.float32)
     g = (rng.standard_normal((b, s)) / keep.sum()).astype(np.float32)
     e = (rng.standard_normal((b, s)) / keep.sum()).astype(np.float32)
-    kw = {"temperature": temp, "softcap": 25.0, "token_chunk": 16, "vocab_chunk": 192}
+    kw = {"temperature": temp, "softcap": 25.0,
+          "config": jaxhead.XlaConfig(token_chunk=16, vocab_chunk=192)}
 
     def value_and_grad(head):
         def loss(hd, w):

@@ -78,7 +78,7 @@ def test_bad_temperature_softcap_impl(data):
         jaxhead.token_logprobs(hidden, weight, labels, temperature=jnp.ones(40).at[5].set(0.0))
     with pytest.raises(ValueError, match="softcap must be > 0 or None, got -1.0"):
         jaxhead.token_logprobs(hidden, weight, labels, softcap=-1.0)
-    with pytest.raises(ValueError, match=r"impl must be one of .* got 'cuda'"):
+    with pytest.raises(ValueError, match=r"impl must be 'auto' or one of .* got 'cuda'"):
         jaxhead.token_logprobs(hidden, weight, labels, impl="cuda")
     with pytest.raises(ValueError, match="bucket must be a non-negative int or None, got 2.5"):
         jaxhead.token_logprobs(hidden, weight, labels, jnp.ones(40, bool), bucket=2.5)

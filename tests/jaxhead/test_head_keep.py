@@ -12,7 +12,7 @@ import jaxhead
 from tests.support.oracle import head_inputs, weighted_loss
 
 N, H, V = 160, 32, 700
-KW = dict(token_chunk=32, vocab_chunk=128)
+KW = {"config": jaxhead.XlaCpuConfig(token_chunk=32, vocab_chunk=128)}
 
 
 @pytest.fixture(scope="module")

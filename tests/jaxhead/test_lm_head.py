@@ -11,6 +11,8 @@ from flax import nnx
 
 import jaxhead
 
+CONFIG = jaxhead.XlaConfig(vocab_chunk=64)
+
 
 def _data(n=24, h=16):
     hidden = jax.random.normal(jax.random.key(0), (n, h))
@@ -20,10 +22,10 @@ def _data(n=24, h=16):
 
 
 def test_owned_kernel_matches_function_and_gets_gradient():
-    head = jaxhead.LMHead(16, 200, rngs=nnx.Rngs(0), vocab_chunk=64)
+    head = jaxhead.LMHead(16, 200, rngs=nnx.Rngs(0), config=CONFIG)
     hidden, labels, keep = _data()
     out = head(hidden, labels, keep)
-    ref = jaxhead.token_logprobs(hidden, head.kernel[...], labels, keep, vocab_chunk=64)
+    ref = jaxhead.token_logprobs(hidden, head.kernel[...], labels, keep, config=CONFIG)
     chex.assert_trees_all_close(out, ref, atol=0, rtol=0)
     assert nnx.get_partition_spec(nnx.state(head)).kernel.get_value() == jax.sharding.PartitionSpec(
         "embed", "vocab")
@@ -37,7 +39,7 @@ def test_owned_kernel_matches_function_and_gets_gradient():
 
 def test_tied_head_reads_and_trains_the_embedding_table():
     embed = nnx.Embed(200, 16, rngs=nnx.Rngs(1))
-    head = jaxhead.LMHead(16, 200, tied_embedding=embed, softcap=30.0, vocab_chunk=64)
+    head = jaxhead.LMHead(16, 200, tied_embedding=embed, softcap=30.0, config=CONFIG)
     hidden, labels, keep = _data()
     out = head(hidden, labels, keep)
     ref = jaxhead.reference_token_logprobs(hidden, embed.embedding[...].T, labels, keep,

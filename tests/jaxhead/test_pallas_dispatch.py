@@ -3,6 +3,7 @@ backend, logged fallback to XLA, explicit kernels that cannot run, the interpret
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import chex
@@ -11,20 +12,31 @@ import jax.numpy as jnp
 import pytest
 
 import jaxhead
-from jaxhead import head, pallas_mode, pallas_triton
+from jaxhead._src.head import api, pallas_mode
 from tests.jaxhead.pallas_cases import HIDDEN, assert_matches, batch
 
 
 @pytest.mark.parametrize(
-    "backend, want", [("tpu", "pallas_tpu"), ("gpu", "pallas_triton"), ("cpu", "xla")]
+    "backend, want",
+    [("tpu", "pallas_tpu"), ("gpu", "pallas_triton"), ("cpu", "xla_cpu"), ("METAL", "xla")],
 )
 def test_auto_picks_by_backend(monkeypatch, backend, want):
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
-    assert head.resolve_impl("auto") == want
-    for name in ("xla", "reference", "pallas_tpu", "pallas_triton"):
-        assert head.resolve_impl(name) == name
+    assert api.resolve_impl("auto") == want
+    for name in jaxhead.IMPLEMENTATIONS:
+        assert api.resolve_impl(name) == name
     with pytest.raises(ValueError, match="pallas_triton"):
-        head.resolve_impl("triton")
+        api.resolve_impl("triton")
+
+
+def test_a_config_names_its_implementation():
+    assert api.resolve_impl("auto", jaxhead.PallasTpuConfig()) == "pallas_tpu"
+    assert api.resolve_impl("auto", jaxhead.XlaConfig()) == "xla"
+    assert api.resolve_impl("xla_cpu", jaxhead.XlaCpuConfig()) == "xla_cpu"
+    with pytest.raises(TypeError, match="XlaCpuConfig.*got XlaConfig"):
+        api.resolve_impl("xla_cpu", jaxhead.XlaConfig())
+    with pytest.raises(ValueError, match="token_chunk must be an int >= 1, got 0"):
+        jaxhead.XlaConfig(token_chunk=0)
 
 
 def _forward(impl, data, **kw):
@@ -44,7 +56,7 @@ def _forward(impl, data, **kw):
 def test_auto_falls_back_to_xla_with_a_logged_reason(monkeypatch, caplog):
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     data = batch(jnp.float16)  # the TPU kernel takes bf16 / float32 only
-    with caplog.at_level(logging.WARNING, logger="jaxhead.head"):
+    with caplog.at_level(logging.WARNING, logger="jaxhead"):
         got = _forward("auto", data)
     assert "pallas_tpu" in caplog.text and "float16" in caplog.text
     chex.assert_trees_all_equal(got, _forward("xla", data))
@@ -53,18 +65,18 @@ def test_auto_falls_back_to_xla_with_a_logged_reason(monkeypatch, caplog):
 def test_auto_on_gpu_runs_the_triton_kernel(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     calls = []
-    real = pallas_triton.chunked_head
+    real = jaxhead.IMPLEMENTATIONS["pallas_triton"]
 
     def spy(*args):
         calls.append(args[0])
         return real(*args)
 
-    monkeypatch.setattr(pallas_triton, "chunked_head", spy)
+    monkeypatch.setitem(api.IMPLEMENTATIONS, "pallas_triton",
+                        dataclasses.replace(real, head=spy))
     data = batch(jnp.float32, seed=11)
-    blocks = pallas_triton.TritonBlocks(16, 256, 64, num_warps=4, num_stages=2)
     with pallas_mode.interpret():
-        got = _forward("auto", data, blocks=blocks)
-    assert len(calls) == 1 and calls[0].blocks.block_tokens == 16
+        got = _forward("auto", data)
+    assert len(calls) == 1 and calls[0].blocks.block_tokens == 64  # the default tile
     assert_matches(got, _forward("xla", data), jnp.float32)
 
 
@@ -73,7 +85,7 @@ def test_explicit_kernel_that_cannot_run_raises(impl):
     hidden = jnp.ones((4, HIDDEN), jnp.float32)
     weight = jnp.ones((HIDDEN, 256), jnp.float32)
     labels = jnp.arange(4)
-    with pytest.raises(pallas_mode.KernelUnsupported, match="JAXHEAD_PALLAS_INTERPRET"):
+    with pytest.raises(jaxhead.KernelUnsupported, match="JAXHEAD_PALLAS_INTERPRET"):
         jaxhead.token_logprobs(hidden, weight, labels, impl=impl)
 
 

@@ -1,4 +1,4 @@
-"""The Mosaic TPU kernels (``jaxhead.pallas_tpu``) in the TPU interpreter on CPU, against
+"""The Mosaic TPU kernels (``impl="pallas_tpu"``) in the TPU interpreter on CPU, against
 the XLA path; their lowering to Mosaic at the production shape; their config errors."""
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxhead import pallas_mode, pallas_tpu
+import jaxhead
+from jaxhead._src.head import pallas_mode, pallas_tpu
+from jaxhead._src.head.base import HeadSpec
 from tests.jaxhead.pallas_cases import (
     CASES,
-    HIDDEN,
     TOL,
     Case,
     assert_matches,
     assert_token_logprobs_match,
+    head_fn,
     inputs,
     max_errors,
     oracle_results,
@@ -36,16 +38,15 @@ needs_race_state = pytest.mark.skipif(
     not hasattr(_races, "races"), reason="this jax does not expose the TPU race detector state"
 )
 
-BLOCKS = pallas_tpu.TpuBlocks(block_tokens=32, block_vocab=256)
+BLOCKS = jaxhead.PallasTpuConfig(block_tokens=32, block_vocab=256)
 
 
-def kernel_head(case: Case, mode: str = "interpret", blocks=BLOCKS):
-    with pallas_mode.interpret(mode):
-        cfg, _ = pallas_tpu.make_config(
-            case.n, HIDDEN, case.vocab, softcap=case.softcap, with_entropy=case.with_entropy,
-            dtype=case.dtype, blocks=blocks,
-        )
-    return lambda h, w, y, it: pallas_tpu.chunked_head(cfg, h, w, y, it)
+def kernel_head(case: Case, mode: str = "interpret", config=BLOCKS):
+    return head_fn("pallas_tpu", case, config, mode=mode)
+
+
+def spec(rows, hidden, vocab, dtype, softcap=None):
+    return HeadSpec(rows, hidden, vocab, jnp.dtype(dtype).name, softcap, True)
 
 
 @functools.cache
@@ -93,7 +94,7 @@ def test_label_outside_vocab_gives_nan():
     case = Case(32, 300, "float32")
     h, w, labels, inv_temp, _, _ = inputs(case)
     labels = labels.at[3].set(300).at[5].set(-1)
-    _, logp, ent = jax.jit(kernel_head(case))(h, w, labels, inv_temp)
+    logp, ent = jax.jit(kernel_head(case))(h, w, labels, inv_temp)
     bad = np.zeros(32, bool)
     bad[[3, 5]] = True
     np.testing.assert_array_equal(np.isnan(np.asarray(logp)), bad)
@@ -111,7 +112,7 @@ def test_a_wrong_result_fails_the_check():
 
 
 def test_token_logprobs_with_keep_mask():
-    assert_token_logprobs_match("pallas_tpu", jnp.float32, pallas_tpu.TpuBlocks(16, 256))
+    assert_token_logprobs_match("pallas_tpu", jnp.float32, jaxhead.PallasTpuConfig(16, 256))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
@@ -119,15 +120,13 @@ def test_lowers_to_mosaic_at_production_shape(dtype):
     """N=16384, H=4096, V=151936 (Qwen3): the default tiles lower to a Mosaic kernel
     (forward and both backward kernels) without a TPU."""
     with pallas_mode.interpret():
-        cfg, padded = pallas_tpu.make_config(
-            16384, 4096, 151936, softcap=30.0, with_entropy=True, dtype=dtype
-        )
+        cfg, padded = pallas_tpu.make_plan(None, spec(16384, 4096, 151936, dtype, 30.0))
     cfg = dataclasses.replace(cfg, interpret=None)
     assert padded == 16384 and cfg.vmem_limit_bytes <= 0.9 * 64 * 2**20
 
     def grads(h, w, y, it):
         def loss(h, w):
-            _, logp, ent = pallas_tpu.chunked_head(cfg, h, w, y, it)
+            logp, ent = pallas_tpu.chunked_head(cfg, h, w, y, it)
             return jnp.sum(logp) + jnp.sum(ent)
 
         return jax.grad(loss, (0, 1))(h, w)
@@ -141,34 +140,30 @@ def test_lowers_to_mosaic_at_production_shape(dtype):
 
 
 def test_config_errors():
-    with pytest.raises(pallas_mode.KernelUnsupported, match="JAXHEAD_PALLAS_INTERPRET"):
-        pallas_tpu.make_config(8, 128, 256, softcap=None, with_entropy=True, dtype=jnp.float32)
+    with pytest.raises(jaxhead.KernelUnsupported, match="JAXHEAD_PALLAS_INTERPRET"):
+        pallas_tpu.make_plan(None, spec(8, 128, 256, jnp.float32))
     with pallas_mode.interpret():
-        with pytest.raises(pallas_mode.KernelUnsupported, match="float16"):
-            pallas_tpu.make_config(8, 128, 256, softcap=None, with_entropy=True,
-                                   dtype=jnp.float16)
+        with pytest.raises(jaxhead.KernelUnsupported, match="float16"):
+            pallas_tpu.make_plan(None, spec(8, 128, 256, jnp.float16))
         with pytest.raises(ValueError, match="block_tokens"):
-            pallas_tpu.make_config(8, 128, 256, softcap=None, with_entropy=True,
-                                   dtype=jnp.bfloat16, blocks=pallas_tpu.TpuBlocks(8, 256))
+            pallas_tpu.make_plan(jaxhead.PallasTpuConfig(8, 256), spec(8, 128, 256, jnp.bfloat16))
         with pytest.raises(ValueError, match="block_vocab"):
-            pallas_tpu.make_config(8, 128, 256, softcap=None, with_entropy=True,
-                                   dtype=jnp.float32, blocks=pallas_tpu.TpuBlocks(8, 200))
-        with pytest.raises(pallas_mode.KernelUnsupported, match="VMEM"):
-            pallas_tpu.make_config(8, 2**22, 256, softcap=None, with_entropy=True,
-                                   dtype=jnp.float32)
-        with pytest.raises(pallas_mode.KernelUnsupported, match="VMEM"):
-            pallas_tpu.make_config(4096, 8192, 2**16, softcap=None, with_entropy=True,
-                                   dtype=jnp.float32, blocks=pallas_tpu.TpuBlocks(2048, 2048))
+            pallas_tpu.make_plan(jaxhead.PallasTpuConfig(8, 200), spec(8, 128, 256, jnp.float32))
+        with pytest.raises(jaxhead.KernelUnsupported, match="VMEM"):
+            pallas_tpu.make_plan(None, spec(8, 2**22, 256, jnp.float32))
+        with pytest.raises(jaxhead.KernelUnsupported, match="VMEM"):
+            pallas_tpu.make_plan(jaxhead.PallasTpuConfig(2048, 2048),
+                                 spec(4096, 8192, 2**16, jnp.float32))
+        vocab_parallel = dataclasses.replace(spec(8, 128, 256, jnp.float32), vocab_axis="v",
+                                             vocab_shards=2)
+        with pytest.raises(jaxhead.KernelUnsupported, match="vocab-parallel"):
+            pallas_tpu.make_plan(None, vocab_parallel)
 
 
 def test_rows_are_fitted_to_the_tiles():
     with pallas_mode.interpret():
-        cfg, padded = pallas_tpu.make_config(
-            600, 128, 1000, softcap=None, with_entropy=True, dtype=jnp.bfloat16,
-            blocks=pallas_tpu.TpuBlocks(512, 512),
-        )
+        cfg, padded = pallas_tpu.make_plan(jaxhead.PallasTpuConfig(512, 512),
+                                           spec(600, 128, 1000, jnp.bfloat16))
         assert (cfg.block_tokens, padded) == (304, 608)
-        cfg, padded = pallas_tpu.make_config(
-            0, 128, 100, softcap=None, with_entropy=True, dtype=jnp.float32
-        )
+        cfg, padded = pallas_tpu.make_plan(None, spec(0, 128, 100, jnp.float32))
         assert padded == 0 and cfg.block_vocab == 100

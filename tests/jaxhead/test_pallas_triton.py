@@ -1,4 +1,4 @@
-"""The Triton GPU kernels (``jaxhead.pallas_triton``) in Pallas interpret mode on CPU,
+"""The Triton GPU kernels (``impl="pallas_triton"``) in Pallas interpret mode on CPU,
 against the XLA path; their lowering to Triton at the production shape; config errors."""
 
 from __future__ import annotations
@@ -12,14 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxhead import pallas_mode, pallas_triton, xla
+import jaxhead
+from jaxhead._src.head import pallas_mode, pallas_triton
+from jaxhead._src.head.base import HeadSpec
 from tests.jaxhead.pallas_cases import (
     CASES,
-    HIDDEN,
     TOL,
     Case,
     assert_matches,
     assert_token_logprobs_match,
+    head_fn,
     inputs,
     max_errors,
     oracle_results,
@@ -28,19 +30,18 @@ from tests.jaxhead.pallas_cases import (
 
 # Two vocab ranges per token tile in the forward, backward chunks of 512 columns (two
 # chunks and a 488-column tail for V = 1000), K = 64: two steps over H = 128.
-BLOCKS = pallas_triton.TritonBlocks(
+BLOCKS = jaxhead.PallasTritonConfig(
     block_tokens=32, block_vocab=256, block_hidden=64, num_warps=4, num_stages=2,
     vocab_splits=2, backward_vocab_chunk=512,
 )
 
 
-def kernel_head(case: Case, blocks=BLOCKS):
-    with pallas_mode.interpret():
-        cfg, _ = pallas_triton.make_config(
-            case.n, HIDDEN, case.vocab, softcap=case.softcap, with_entropy=case.with_entropy,
-            dtype=case.dtype, blocks=blocks,
-        )
-    return lambda h, w, y, it: pallas_triton.chunked_head(cfg, h, w, y, it)
+def kernel_head(case: Case, config=BLOCKS, hidden=128):
+    return head_fn("pallas_triton", case, config, hidden)
+
+
+def spec(rows, hidden, vocab, dtype, softcap=None):
+    return HeadSpec(rows, hidden, vocab, jnp.dtype(dtype).name, softcap, True)
 
 
 @functools.cache
@@ -68,16 +69,9 @@ def test_hidden_not_a_multiple_of_the_step():
     case = Case(40, 300, "float32", softcap=5.0, seed=5)
     h, w, labels, inv_temp, g, e = inputs(case)
     h, w = h[:, :100], w[:100]
-    with pallas_mode.interpret():
-        cfg, _ = pallas_triton.make_config(
-            40, 100, 300, softcap=5.0, with_entropy=True, dtype=jnp.float32, blocks=BLOCKS
-        )
-    ocfg, _ = xla.make_config(
-        40, 100, 300, jnp.float32, softcap=5.0, with_entropy=True, token_chunk=40,
-        vocab_chunk=128,
-    )
-    got = results(lambda *a: pallas_triton.chunked_head(cfg, *a), h, w, labels, inv_temp, g, e)
-    want = results(lambda *a: xla.chunked_head(ocfg, *a), h, w, labels, inv_temp, g, e)
+    oracle = head_fn("xla", case, jaxhead.XlaConfig(token_chunk=40, vocab_chunk=128), 100)
+    got = results(kernel_head(case, hidden=100), h, w, labels, inv_temp, g, e)
+    want = results(oracle, h, w, labels, inv_temp, g, e)
     assert_matches(got, want, case.dtype)
 
 
@@ -85,7 +79,7 @@ def test_label_outside_vocab_gives_nan():
     case = Case(32, 300, "float32")
     h, w, labels, inv_temp, _, _ = inputs(case)
     labels = labels.at[3].set(300).at[5].set(-1)
-    _, logp, ent = jax.jit(kernel_head(case))(h, w, labels, inv_temp)
+    logp, ent = jax.jit(kernel_head(case))(h, w, labels, inv_temp)
     bad = np.zeros(32, bool)
     bad[[3, 5]] = True
     np.testing.assert_array_equal(np.isnan(np.asarray(logp)), bad)
@@ -102,15 +96,13 @@ def test_lowers_to_triton_at_production_shape(dtype):
     """N=16384, H=4096, V=151936 (Qwen3): the default tiles lower to Triton kernels
     (forward, and the backward du kernel for the full chunks and the tail) without a GPU."""
     with pallas_mode.interpret():
-        cfg, padded = pallas_triton.make_config(
-            16384, 4096, 151936, softcap=30.0, with_entropy=True, dtype=dtype
-        )
+        cfg, padded = pallas_triton.make_plan(None, spec(16384, 4096, 151936, dtype, 30.0))
     cfg = dataclasses.replace(cfg, interpret=None)
     assert padded == 16384
 
     def grads(h, w, y, it):
         def loss(h, w):
-            _, logp, ent = pallas_triton.chunked_head(cfg, h, w, y, it)
+            logp, ent = pallas_triton.chunked_head(cfg, h, w, y, it)
             return jnp.sum(logp) + jnp.sum(ent)
 
         return jax.grad(loss, (0, 1))(h, w)
@@ -125,41 +117,34 @@ def test_lowers_to_triton_at_production_shape(dtype):
 
 def test_config_resolution():
     with pallas_mode.interpret():
-        cfg, padded = pallas_triton.make_config(
-            3000, 4096, 151936, softcap=None, with_entropy=True, dtype=jnp.bfloat16
-        )
+        cfg, padded = pallas_triton.make_plan(None, spec(3000, 4096, 151936, jnp.bfloat16))
     b = cfg.blocks
     assert padded == 3008 and (b.block_tokens, b.block_vocab, b.block_hidden) == (64, 256, 64)
     assert b.vocab_splits == 22  # ceil(1024 / 47 token tiles), no empty range over 594 tiles
     assert b.backward_vocab_chunk % b.block_vocab == 0
     assert padded * b.backward_vocab_chunk * 2 <= 256 * 2**20
     with pallas_mode.interpret():
-        cfg, padded = pallas_triton.make_config(
-            5, 20, 100, softcap=None, with_entropy=True, dtype=jnp.float32
-        )
+        cfg, padded = pallas_triton.make_plan(None, spec(5, 20, 100, jnp.float32))
     b = cfg.blocks
     assert padded == 16 and (b.block_tokens, b.block_vocab, b.block_hidden) == (16, 128, 32)
     assert b.backward_vocab_chunk == 128 and b.vocab_splits == 1
 
 
 def test_config_errors():
-    with pytest.raises(pallas_mode.KernelUnsupported, match="JAXHEAD_PALLAS_INTERPRET"):
-        pallas_triton.make_config(8, 128, 256, softcap=None, with_entropy=True,
-                                  dtype=jnp.float32)
+    with pytest.raises(jaxhead.KernelUnsupported, match="JAXHEAD_PALLAS_INTERPRET"):
+        pallas_triton.make_plan(None, spec(8, 128, 256, jnp.float32))
     with pallas_mode.interpret():
-        with pytest.raises(pallas_mode.KernelUnsupported, match="int8"):
-            pallas_triton.make_config(8, 128, 256, softcap=None, with_entropy=True,
-                                      dtype=jnp.int8)
+        with pytest.raises(jaxhead.KernelUnsupported, match="int8"):
+            pallas_triton.make_plan(None, spec(8, 128, 256, jnp.int8))
         with pytest.raises(ValueError, match="block_vocab"):
-            pallas_triton.make_config(
-                8, 128, 256, softcap=None, with_entropy=True, dtype=jnp.float32,
-                blocks=dataclasses.replace(BLOCKS, block_vocab=96),
-            )
+            pallas_triton.make_plan(dataclasses.replace(BLOCKS, block_vocab=96),
+                                    spec(8, 128, 256, jnp.float32))
         with pytest.raises(ValueError, match="backward_vocab_chunk"):
-            pallas_triton.make_config(
-                8, 128, 2048, softcap=None, with_entropy=True, dtype=jnp.float32,
-                blocks=dataclasses.replace(BLOCKS, backward_vocab_chunk=300),
-            )
-        with pytest.raises(TypeError, match="TritonBlocks"):
-            pallas_triton.make_config(8, 128, 256, softcap=None, with_entropy=True,
-                                      dtype=jnp.float32, blocks=object())
+            pallas_triton.make_plan(dataclasses.replace(BLOCKS, backward_vocab_chunk=300),
+                                    spec(8, 128, 2048, jnp.float32))
+        with pytest.raises(ValueError, match="num_warps"):
+            pallas_triton.make_plan(dataclasses.replace(BLOCKS, num_warps=0),
+                                    spec(8, 128, 256, jnp.float32))
+    with pytest.raises(TypeError, match="PallasTritonConfig"):
+        jaxhead.token_logprobs(jnp.ones((2, 8)), jnp.ones((8, 16)), jnp.zeros(2, jnp.int32),
+                               impl="pallas_triton", config=jaxhead.XlaConfig())

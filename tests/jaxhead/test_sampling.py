@@ -1,4 +1,4 @@
-"""jaxhead.sampling: chunked Gumbel-max draws follow the softmax, and their log-probs are
+"""jaxhead.sample: chunked Gumbel-max draws follow the softmax, and their log-probs are
 the head's (``jaxhead.token_logprobs``) to float32 precision."""
 
 from __future__ import annotations
@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 
 import jaxhead
-from jaxhead import sampling
 from tests.support.oracle import head_inputs
 
 # one compiled function per static setting, shared by the tests (compiles dominate here)
-_sample = jax.jit(sampling.sample, static_argnames=("softcap", "num_valid", "vocab_chunk"))
+_sample = jax.jit(jaxhead.sample, static_argnames=("softcap", "num_valid", "vocab_chunk"))
 _logprobs = jax.jit(lambda h, w, y, t, softcap: jaxhead.token_logprobs(
-    h, w, y, temperature=t, softcap=softcap, vocab_chunk=256).logprobs,
+    h, w, y, temperature=t, softcap=softcap, config=jaxhead.XlaConfig(vocab_chunk=256)).logprobs,
     static_argnames="softcap")
 
 
@@ -36,7 +35,7 @@ def test_draws_follow_the_softmax_chi_square():
     weight = weight * 0.5
     draws = 20_000
     rows = jnp.broadcast_to(hidden, (draws, 16))
-    out = jax.jit(lambda h, k: sampling.sample(h, weight, k, temperature=0.9,
+    out = jax.jit(lambda h, k: jaxhead.sample(h, weight, k, temperature=0.9,
                                                vocab_chunk=16))(rows, jax.random.key(7))
     p = np.asarray(jax.nn.softmax((hidden @ weight)[0] / 0.9), np.float64)
     counts = np.bincount(np.asarray(out.tokens), minlength=40)
@@ -79,7 +78,7 @@ def test_greedy_and_sampled_share_one_function():
 def test_top_p_draws_only_from_the_nucleus():
     hidden, weight, _ = head_inputs(8, 4, 16, 50)
     rows = jnp.repeat(hidden, 1000, axis=0)
-    out = sampling.top_p_sample(rows, weight, jax.random.key(2), temperature=1.0, top_p=0.6)
+    out = jaxhead.top_p_sample(rows, weight, jax.random.key(2), temperature=1.0, top_p=0.6)
     p = np.asarray(jax.nn.softmax(hidden @ weight), np.float64)
     tokens = np.asarray(out.tokens).reshape(4, 1000)
     for r in range(4):
@@ -94,10 +93,10 @@ def test_top_p_draws_only_from_the_nucleus():
 def test_bad_arguments_raise():
     hidden, weight, _ = head_inputs(9, 4, 8, 20)
     with pytest.raises(ValueError, match="num_valid"):
-        sampling.sample(hidden, weight, jax.random.key(0), num_valid=21)
+        jaxhead.sample(hidden, weight, jax.random.key(0), num_valid=21)
     with pytest.raises(ValueError, match="temperature"):
-        sampling.sample(hidden, weight, jax.random.key(0), temperature=-1.0)
+        jaxhead.sample(hidden, weight, jax.random.key(0), temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):
-        sampling.top_p_sample(hidden, weight, jax.random.key(0), temperature=1.0, top_p=0.0)
+        jaxhead.top_p_sample(hidden, weight, jax.random.key(0), temperature=1.0, top_p=0.0)
     with pytest.raises(ValueError, match="hidden"):
-        sampling.sample(hidden[:, :4], weight, jax.random.key(0))
+        jaxhead.sample(hidden[:, :4], weight, jax.random.key(0))

@@ -1,14 +1,16 @@
 """Sampling from the head without ``[B, V]`` logits: a chunked Gumbel-max in float32.
 
-For each row the vocabulary is scanned in the chunks of ``jaxhead.xla`` (same tile
-function, same float32 accumulation and soft-cap) and two things are carried:
+For each row the vocabulary is scanned in chunks with the head's own tile math
+(``jaxhead._src.head.math``: same float32 accumulation, soft-cap and online statistics) and
+two things are carried:
 
 * the running arg-max of ``l_v + g_v`` with ``l = z / tau`` and ``g_v`` i.i.d. standard
   Gumbel noise: by the Gumbel-max trick, ``argmax_v (l_v + g_v)`` is a draw from
   ``softmax(l)`` (Gumbel 1954; Maddison, Tarlow & Minka, "A* Sampling", 2014);
-* the online log-sum-exp ``m, s`` of ``l`` over *all* V columns, so that the returned
-  ``log p(token) = l_token - logZ`` is the very number ``jaxhead.token_logprobs`` gives
-  for that token at temperature ``tau`` (sampler and trainer agree by construction).
+* the online log-sum-exp statistics of ``l`` over *all* V columns, so that the returned
+  ``log p(token) = (z_token - m) / tau - log s`` is the very number
+  ``jaxhead.token_logprobs`` gives for that token at temperature ``tau`` (sampler and
+  trainer agree by construction).
 
 Columns ``>= num_valid`` (ids a tokenizer never produces, e.g. the padding rows of
 Qwen3's 151,936-entry embedding beyond its 151,669 real tokens) are never drawn: they
@@ -28,30 +30,15 @@ for nucleus sampling.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxhead import xla
+from jaxhead._src.head import math as hm
+from jaxhead._src.head import scan as sc
+from jaxhead._src.types import Sample
 
-#: Names of the two sampling paths, as reported in training metrics.
-PATH_GUMBEL = "chunked_gumbel_max"
-PATH_TOP_P = "full_logits_top_p"
-
-
-class Sample(NamedTuple):
-    """Result of a sampling call.
-
-    Attributes:
-      tokens: int32 ``[B]`` sampled ids, each ``< num_valid``.
-      logprobs: float32 ``[B]`` ``log p(token)`` under ``softmax(z / tau)`` over all V
-        columns (``tau = 1`` for greedy), as ``jaxhead.token_logprobs`` computes it.
-    """
-
-    tokens: jax.Array
-    logprobs: jax.Array
+DEFAULT_VOCAB_CHUNK = 8192
 
 
 def _check(hidden, weight, num_valid):
@@ -75,7 +62,7 @@ def sample(
     temperature=1.0,
     softcap: float | None = None,
     num_valid: int | None = None,
-    vocab_chunk: int = xla.DEFAULT_VOCAB_CHUNK,
+    vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
 ) -> Sample:
     """Draw one token per row from ``softmax(z / temperature)`` by a chunked Gumbel-max.
 
@@ -89,7 +76,7 @@ def sample(
         function then serves greedy and sampled decoding); 0 means greedy.
       softcap: soft-cap ``c`` of the head (``z = c tanh(u / c)``) or None.
       num_valid: only ids ``< num_valid`` are drawn (None: all V).
-      vocab_chunk: columns per tile (as ``jaxhead.token_logprobs``'s).
+      vocab_chunk: columns per tile.
 
     Returns:
       ``Sample(tokens int32 [B], logprobs float32 [B])``.
@@ -100,48 +87,42 @@ def sample(
     num_valid = _check(hidden, weight, num_valid)
     if isinstance(temperature, (int, float)) and temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    rows, vocab = hidden.shape[0], weight.shape[1]
-    cfg, _ = xla.make_config(
-        rows, weight.shape[0], vocab, hidden.dtype, softcap=softcap, with_entropy=False,
-        token_chunk=max(rows, 1), vocab_chunk=vocab_chunk,
-    )
-    h = hidden.astype(cfg.matmul_dtype)
+    rows = hidden.shape[0]
     f32 = jnp.float32
     temperature = jnp.asarray(temperature, f32)
     sampled = temperature > 0
-    inv_temp = jnp.full((rows,), jnp.where(sampled, 1.0 / jnp.where(sampled, temperature, 1.0),
-                                           1.0))
+    inv_temp = jnp.where(sampled, 1.0 / jnp.where(sampled, temperature, 1.0), 1.0)
+    it = jnp.full((rows, 1), inv_temp)
     row_seed = _mix(jax.random.bits(key, (rows,), jnp.uint32))[:, None]
     init = (
-        jnp.full((rows,), -jnp.inf, f32),  # running max of l (log-sum-exp)
-        jnp.zeros((rows,), f32),  # sum exp(l - m)
+        hm.init_stats((rows, 1)),  # log-sum-exp statistics of z over every column
         jnp.full((rows,), -jnp.inf, f32),  # best score l + g
         jnp.zeros((rows,), jnp.int32),  # best token
-        jnp.zeros((rows,), f32),  # l of the best token
+        jnp.zeros((rows,), f32),  # z of the best token
     )
 
     def step(carry, w_c, off, h):
-        m, s, best, tok, l_tok = carry
-        l, _ = xla._logits_tile(h, w_c, inv_temp, cfg.softcap)
-        m_new = jnp.maximum(m, l.max(axis=1))
-        e = jnp.exp(l - m_new[:, None])
-        s = s * jnp.exp(m - m_new) + e.sum(axis=1)
-        ids = lax.broadcasted_iota(jnp.int32, l.shape, 1) + off
-        # Gumbel-max in the exponential domain: argmax_v (l_v + g_v) with
-        # g_v = -log(E_v), E_v ~ Exp(1), is argmax_v exp(l_v - m) / E_v.
+        stats, best, tok, z_tok = carry
+        z, _ = hm.logits(hm.matmul(h, w_c, (1, 0)), softcap)
+        ids = lax.broadcasted_iota(jnp.int32, z.shape, 1) + off
+        stats = hm.update(stats, z, it, None, jnp.zeros(z.shape, bool), False)
+        l = z * it
+        # Gumbel-max: argmax_v (l_v + g_v) with g_v = -log(E_v), E_v ~ Exp(1)
         expo = jnp.where(sampled, -jnp.log(_uniform(row_seed, ids)), 1.0)
-        race = jnp.where(ids < num_valid, e / expo, -1.0)
-        j = jnp.argmax(race, axis=1)
-        c_l = jnp.take_along_axis(l, j[:, None], axis=1)[:, 0]
-        c_e = jnp.take_along_axis(expo, j[:, None], axis=1)[:, 0]
-        c_best = c_l - jnp.log(c_e)  # = l_j + g_j
-        better = (c_best > best) & (j.astype(jnp.int32) + off < num_valid)
-        return (m_new, s, jnp.where(better, c_best, best),
+        score = jnp.where(ids < num_valid, l - jnp.log(expo), -jnp.inf)
+        j = jnp.argmax(score, axis=1)
+        c_best = jnp.take_along_axis(score, j[:, None], axis=1)[:, 0]
+        better = c_best > best
+        return (stats, jnp.where(better, c_best, best),
                 jnp.where(better, j.astype(jnp.int32) + off, tok),
-                jnp.where(better, c_l, l_tok))
+                jnp.where(better, jnp.take_along_axis(z, j[:, None], axis=1)[:, 0], z_tok))
 
-    m, s, _, tok, l_tok = xla._scan_vocab(cfg, step, init, weight, (h,))
-    return Sample(tok, l_tok - (m + jnp.log(s)))
+    tuning = sc.Tuning()
+    h = hidden.astype(tuning.tile_dtype(hidden.dtype))
+    stats, _, tok, z_tok = sc.scan_vocab(tuning, min(vocab_chunk, weight.shape[1]), step, init,
+                                         weight, (h,))
+    logp = (z_tok - stats.m[:, 0]) * inv_temp - jnp.log1p(stats.r[:, 0])
+    return Sample(tok, logp)
 
 
 def _mix(x: jax.Array) -> jax.Array:
@@ -181,7 +162,7 @@ def top_p_sample(
 
     Returns:
       ``Sample``; ``logprobs`` are under the full (untruncated) ``softmax(z / temperature)``
-      over all V columns, the distribution the trainer scores.
+      over all V columns.
 
     Raises:
       ValueError: bad shapes, ``temperature <= 0``, ``top_p`` outside ``(0, 1]``.

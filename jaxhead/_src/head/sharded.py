@@ -6,18 +6,19 @@ its own kept tokens into one static bucket, optionally the vocabulary split over
 into ``bucket`` slots (the same static size on every shard, so one compiled program),
 and results come back split like the inputs. With ``vocab_axis`` the head weight is split
 over that axis by columns and each device scans only its columns; the per-row log-sum-exp
-statistics are combined with ``pmax`` / ``psum`` (``jaxhead.vocab_parallel``, after
-Megatron-LM's vocab-parallel cross-entropy).
+statistics are combined with ``pmax`` / ``psum`` (the XLA implementation's vocab-parallel
+mode, after Megatron-LM's vocab-parallel cross-entropy).
 
 The bucket is a host decision: ``bucket_for_shards`` counts the kept tokens of every
-shard, takes the largest count (agreed over processes with a collective on several
-hosts), and rounds it up to the bucket ladder.
+shard, takes the largest count (over all processes only when asked to: a collective), and
+rounds it up to the bucket ladder.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +27,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxhead import validation, vocab_parallel, xla
-from jaxhead.buckets import DEFAULT_GROWTH, DEFAULT_MULTIPLE, bucket_size
-from jaxhead.head import run_compacted, token_logprobs
-from jaxhead.types import HeadOutput
+from jaxhead._src import validation
+from jaxhead._src.buckets import DEFAULT_GROWTH, DEFAULT_MULTIPLE, bucket_size
+from jaxhead._src.head import api
+from jaxhead._src.head.base import HeadSpec
+from jaxhead._src.types import HeadOutput
 
 
 def _axis_size(mesh, axes: Sequence[str]) -> int:
@@ -85,7 +87,7 @@ def bucket_for_shards(
     return bucket_size(count, per_shard, multiple=multiple, growth=growth)
 
 
-def _check_axes(mesh, token_axes, vocab_axis, vocab_size, impl):
+def _check_axes(mesh, token_axes, vocab_axis, vocab_size):
     names = tuple(mesh.axis_names)
     unknown = [a for a in (*token_axes, *(() if vocab_axis is None else (vocab_axis,)))
                if a not in names]
@@ -104,8 +106,6 @@ def _check_axes(mesh, token_axes, vocab_axis, vocab_size, impl):
             f"vocab size {vocab_size} is not divisible by the {n} devices of vocab_axis "
             f"{vocab_axis!r}"
         )
-    if impl not in ("auto", "xla"):
-        raise ValueError(f"the vocab-parallel head runs the XLA path; impl={impl!r} given")
 
 
 def _fully_known(*xs) -> bool:
@@ -128,10 +128,8 @@ def sharded_token_logprobs(
     temperature=1.0,
     softcap: float | None = None,
     with_entropy: bool = True,
-    impl: str = "auto",
-    token_chunk: int = xla.DEFAULT_TOKEN_CHUNK,
-    vocab_chunk: int = xla.DEFAULT_VOCAB_CHUNK,
-    blocks=None,
+    impl: api.Impl | Literal["auto"] = "auto",
+    config=None,
 ) -> HeadOutput:
     """``jaxhead.token_logprobs`` with the tokens split over mesh axes, compacted per shard.
 
@@ -140,8 +138,9 @@ def sharded_token_logprobs(
     ``bucket`` slots and runs the head on them (``jax.shard_map``). Without
     ``vocab_axis``, ``weight`` is used whole on every device (the compiler gathers it if
     it is stored sharded), and every ``impl`` is available. With ``vocab_axis``, device
-    ``k`` of that axis uses columns ``[k V/n, (k+1) V/n)`` of ``weight`` (XLA path) and
-    the statistics are combined over the axis (``jaxhead.vocab_parallel``); the tokens are
+    ``k`` of that axis uses columns ``[k V/n, (k+1) V/n)`` of ``weight`` (an XLA
+    implementation: the kernels have no vocab-parallel variant, so ``"auto"`` uses XLA) and
+    the statistics are combined over the axis with ``pmax`` / ``psum``; the tokens are
     replicated over it (the compiler gathers ``hidden`` over that axis if it arrives split
     there: ``[N/shards, H]`` rows, much less than the ``[H, V]`` weight).
 
@@ -158,9 +157,8 @@ def sharded_token_logprobs(
       bucket: static number of slots per token shard (``bucket_for_shards`` on the host).
         None: with a concrete ``keep``, chosen here by ``bucket_for_shards``; with a traced
         one, the shard's token count (correct, no saving).
-      temperature, softcap, with_entropy, impl, token_chunk, vocab_chunk, blocks: as
-        ``jaxhead.token_logprobs`` (``impl`` must be ``"auto"`` or ``"xla"`` with
-        ``vocab_axis``).
+      temperature, softcap, with_entropy, impl, config: as ``jaxhead.token_logprobs``
+        (with ``vocab_axis``, an explicit kernel ``impl`` raises ``KernelUnsupported``).
 
     Returns:
       ``HeadOutput(logprobs, entropy)`` float32 ``[B, ...]``, split like ``labels``; 0
@@ -171,8 +169,8 @@ def sharded_token_logprobs(
       ValueError: as ``jaxhead.token_logprobs``; a leading axis not divisible by the token
         shards or a vocabulary not divisible by the vocab axis (both numbers named); mesh
         axes that the mesh lacks; a vocab axis that is also a token axis; a kernel impl
-        with ``vocab_axis``; with a concrete ``keep``, a bucket smaller than a shard's
-        kept count. No mesh given or set.
+        with ``vocab_axis`` (``KernelUnsupported``); with a concrete ``keep``, a bucket
+        smaller than a shard's kept count. No mesh given or set.
       TypeError: as ``jaxhead.token_logprobs``.
     """
     validation.check_inputs(hidden, weight, labels, keep, temperature, softcap)
@@ -182,7 +180,7 @@ def sharded_token_logprobs(
     if mesh.empty:
         raise ValueError("no mesh: pass mesh= or call under jax.set_mesh(mesh)")
     token_axes = tuple(token_axes)
-    _check_axes(mesh, token_axes, vocab_axis, weight.shape[1], impl)
+    _check_axes(mesh, token_axes, vocab_axis, weight.shape[1])
     if labels.ndim < 1:
         raise ValueError(f"labels need a leading batch axis to split, got shape {labels.shape}")
     shards = _axis_size(mesh, token_axes)
@@ -202,6 +200,13 @@ def sharded_token_logprobs(
                 f"token shard; use jaxhead.bucket_for_shards(keep, {shards})"
             )
 
+    tokens = math.prod(labels.shape) // shards
+    rows = tokens if keep is None else min(tokens if bucket is None else bucket, tokens)
+    n_vocab = 1 if vocab_axis is None else _axis_size(mesh, (vocab_axis,))
+    spec = HeadSpec(rows, weight.shape[0], weight.shape[1], jnp.dtype(hidden.dtype).name,
+                    softcap, with_entropy, vocab_axis, n_vocab)
+    head, made, padded = api.plan(impl, config, spec)
+
     temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), labels.shape)
     tok = P(token_axes or None)
     args = [hidden, weight, labels, temp] + ([] if keep is None else [keep])
@@ -209,30 +214,10 @@ def sharded_token_logprobs(
 
     def body(h, w, y, t, k=None):
         w = jax.lax.pcast(w, token_axes, to="varying") if token_axes else w
-        if vocab_axis is None:
-            out = token_logprobs(
-                h, w, y, k, temperature=t, softcap=softcap, with_entropy=with_entropy,
-                bucket=bucket, impl=impl, token_chunk=token_chunk, vocab_chunk=vocab_chunk,
-                blocks=blocks,
-            )
-            ent = out.entropy if with_entropy else jnp.zeros_like(out.logprobs)
-            return out.logprobs, ent
-        return vocab_parallel_shard(h, w, y, t, k)
-
-    def vocab_parallel_shard(h, w, y, t, k):
-        n, hs = math.prod(y.shape), h.shape[-1]
-        rows = n if k is None else min(n if bucket is None else bucket, n)
-        cfg, padded = xla.make_config(
-            rows, hs, w.shape[1], h.dtype, softcap=softcap, with_entropy=with_entropy,
-            token_chunk=token_chunk, vocab_chunk=vocab_chunk,
-        )
-
-        def head(cfg, *a):
-            return vocab_parallel.chunked_head(cfg, vocab_axis, *a)
-
+        n = math.prod(y.shape)
         inv_temp = jax.lax.stop_gradient(1.0 / t).reshape(n)
-        logp, ent = run_compacted(
-            head, cfg, padded, h.reshape(n, hs), w, y.reshape(n).astype(jnp.int32),
+        logp, ent = api.run_compacted(
+            head, made, padded, h.reshape(n, h.shape[-1]), w, y.reshape(n).astype(jnp.int32),
             inv_temp, None if k is None else k.reshape(n),
         )
         return logp.reshape(y.shape), ent.reshape(y.shape)

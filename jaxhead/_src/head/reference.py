@@ -1,12 +1,16 @@
-"""The plain full-logits head: the test oracle and the benchmark baseline."""
+"""The plain full-logits head: the test oracle, the benchmark baseline, and
+``impl="reference"``."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
-from jaxhead import validation
-from jaxhead.types import HeadOutput
+from jaxhead._src import validation
+from jaxhead._src.head.base import HeadSpec, Implementation
+from jaxhead._src.types import HeadOutput
 
 
 def reference_token_logprobs(
@@ -57,3 +61,28 @@ def reference_token_logprobs(
         logp = jnp.where(keep, logp, 0.0)
         ent = None if ent is None else jnp.where(keep, ent, 0.0)
     return HeadOutput(logp, ent)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceConfig:
+    """``impl="reference"`` has no settings."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    spec: HeadSpec
+
+
+def _rows_head(plan: _Plan, h, w, labels, inv_temp):
+    """Full float32 logits of the compacted rows, plain autodiff."""
+    out = reference_token_logprobs(h, w, labels, temperature=1.0 / inv_temp,
+                                   softcap=plan.spec.softcap, with_entropy=plan.spec.with_entropy)
+    ent = out.entropy if out.entropy is not None else jnp.zeros_like(out.logprobs)
+    ok = (labels >= 0) & (labels < plan.spec.vocab_size)
+    return jnp.where(ok, out.logprobs, jnp.nan), ent
+
+
+#: ``impl="reference"``: full logits of the compacted rows (memory ``O(bucket * V)``; for
+#: checks and as a baseline).
+REFERENCE = Implementation(ReferenceConfig, lambda config, spec: (_Plan(spec), spec.rows),
+                           _rows_head)

@@ -6,10 +6,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxhead import xla
-from jaxhead.head import token_logprobs
-from jaxhead.sharding import sharded_token_logprobs
-from jaxhead.types import HeadOutput
+from jaxhead._src.head.api import token_logprobs
+from jaxhead._src.head.sharded import sharded_token_logprobs
+from jaxhead._src.types import HeadOutput
 
 #: Logical axis names of the head weight ``[H, V]`` (mapped to mesh axes by sharding rules).
 KERNEL_AXES = ("embed", "vocab")
@@ -32,7 +31,7 @@ class LMHead(nnx.Module):
         the dtype of ``hidden``.
       param_dtype: dtype of the owned kernel.
       kernel_init: initialiser of the owned kernel.
-      impl, token_chunk, vocab_chunk: forwarded to ``jaxhead.token_logprobs``.
+      impl, config: forwarded to ``jaxhead.token_logprobs``.
 
     Raises:
       ValueError: a tied embedding whose shape is not ``[V, H]``.
@@ -50,12 +49,11 @@ class LMHead(nnx.Module):
         param_dtype=jnp.float32,
         kernel_init=nnx.initializers.lecun_normal(),
         impl: str = "auto",
-        token_chunk: int = xla.DEFAULT_TOKEN_CHUNK,
-        vocab_chunk: int = xla.DEFAULT_VOCAB_CHUNK,
+        config=None,
     ):
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.softcap, self.dtype = softcap, dtype
-        self.impl, self.token_chunk, self.vocab_chunk = impl, token_chunk, vocab_chunk
+        self.impl, self.config = impl, config
         if tied_embedding is not None:
             shape = tuple(tied_embedding.embedding.shape)
             if shape != (vocab_size, hidden_size):
@@ -92,8 +90,7 @@ class LMHead(nnx.Module):
         return token_logprobs(
             hidden.astype(dtype), self.weight(dtype), labels, keep,
             temperature=temperature, softcap=self.softcap, with_entropy=with_entropy,
-            bucket=bucket, impl=self.impl, token_chunk=self.token_chunk,
-            vocab_chunk=self.vocab_chunk,
+            bucket=bucket, impl=self.impl, config=self.config,
         )
 
     def sharded(
@@ -118,7 +115,7 @@ class LMHead(nnx.Module):
             hidden.astype(dtype), self.weight(dtype), labels, keep, mesh=mesh,
             token_axes=token_axes, vocab_axis=vocab_axis, bucket=bucket,
             temperature=temperature, softcap=self.softcap, with_entropy=with_entropy,
-            impl=self.impl, token_chunk=self.token_chunk, vocab_chunk=self.vocab_chunk,
+            impl=self.impl, config=self.config,
         )
 
     def logits(self, hidden: jax.Array) -> jax.Array:

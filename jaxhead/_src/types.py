@@ -1,4 +1,4 @@
-"""Result type of the head."""
+"""Result types of the head and the sampler."""
 
 from __future__ import annotations
 
@@ -19,3 +19,16 @@ class HeadOutput(NamedTuple):
 
     logprobs: jax.Array
     entropy: jax.Array | None
+
+
+class Sample(NamedTuple):
+    """Result of a sampling call.
+
+    Attributes:
+      tokens: int32 ``[B]`` sampled ids, each ``< num_valid``.
+      logprobs: float32 ``[B]`` ``log p(token)`` under ``softmax(z / tau)`` over all V
+        columns (``tau = 1`` for greedy), as ``jaxhead.token_logprobs`` computes it.
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array

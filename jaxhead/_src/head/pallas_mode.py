@@ -1,12 +1,13 @@
 """Where the Pallas kernels run: on their accelerator, or interpreted on CPU.
 
-The kernels of ``jaxhead.pallas_tpu`` and ``jaxhead.pallas_triton`` compile for a TPU or a
+The kernels of ``impl="pallas_tpu"`` and ``impl="pallas_triton"`` compile for a TPU or a
 GPU. For tests and CPU dry runs they can run in Pallas interpret mode instead, selected
 without any new argument on the public API:
 
 * the environment variable ``JAXHEAD_PALLAS_INTERPRET`` (read when a kernel config is made,
   i.e. at trace time), or
-* the context manager ``interpret(mode)``, which takes precedence over the variable.
+* the context manager ``jaxhead.pallas_interpret(mode)``, which takes precedence over the
+  variable.
 
 Modes: ``None`` (unset, ``""`` or ``"0"``: compile for the device), ``"interpret"`` (``"1"``:
 TPU kernels run in ``pltpu.InterpretParams()``, Triton kernels with ``interpret=True``) and
@@ -23,17 +24,14 @@ from collections.abc import Iterator
 
 import jax
 
+from jaxhead._src.head.base import KernelUnsupported
+
 ENV_VAR = "JAXHEAD_PALLAS_INTERPRET"
 MODES = (None, "interpret", "races")
 _ENV_VALUES = {"": None, "0": None, "1": "interpret", "interpret": "interpret", "races": "races"}
 _override: contextvars.ContextVar[tuple[str | None] | None] = contextvars.ContextVar(
     "jaxhead_pallas_interpret", default=None
 )
-
-
-class KernelUnsupported(ValueError):
-    """A Pallas kernel cannot run this call; the message says why (``impl="auto"`` then
-    falls back to the XLA path and logs it)."""
 
 
 def interpret_mode() -> str | None:

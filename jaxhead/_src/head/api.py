@@ -1,0 +1,230 @@
+"""``token_logprobs``: validation, implementation choice, bucket choice, compaction, expansion.
+
+The implementations (``IMPLEMENTATIONS``) all satisfy ``base.HeadImplementation`` and work
+on compacted rows; this module is what turns a user's ``[..., H]`` hidden states and keep
+mask into those rows and back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxhead._src import compaction, validation
+from jaxhead._src.buckets import bucket_size
+from jaxhead._src.head import pallas_tpu, pallas_triton, reference, xla, xla_cpu
+from jaxhead._src.head.base import HeadImplementation, HeadSpec, KernelUnsupported
+from jaxhead._src.types import HeadOutput
+
+#: Names of the implementations (``impl=``); ``"auto"`` picks one by backend.
+Impl = Literal["xla", "xla_cpu", "pallas_tpu", "pallas_triton", "reference"]
+
+IMPLEMENTATIONS: dict[Impl, HeadImplementation] = {
+    "xla": xla.XLA,
+    "xla_cpu": xla_cpu.XLA_CPU,
+    "pallas_tpu": pallas_tpu.PALLAS_TPU,
+    "pallas_triton": pallas_triton.PALLAS_TRITON,
+    "reference": reference.REFERENCE,
+}
+_AUTO_BY_BACKEND: dict[str, Impl] = {"tpu": "pallas_tpu", "gpu": "pallas_triton",
+                                     "cpu": "xla_cpu"}
+_FALLBACK: dict[Impl, Impl] = {"pallas_tpu": "xla", "pallas_triton": "xla"}
+logger = logging.getLogger("jaxhead")
+
+
+def resolve_impl(impl: Impl | Literal["auto"], config=None) -> Impl:
+    """The implementation that ``impl`` and ``config`` name.
+
+    ``"auto"`` without a config picks by ``jax.default_backend()``: ``"pallas_tpu"`` on TPU,
+    ``"pallas_triton"`` on GPU, ``"xla_cpu"`` on CPU, ``"xla"`` elsewhere; ``"auto"`` with a
+    config picks the implementation that config belongs to.
+
+    Raises:
+      ValueError: an unknown name (the valid ones listed).
+      TypeError: a config of another implementation than ``impl`` (both named).
+    """
+    names = get_args(Impl)
+    if impl != "auto" and impl not in names:
+        raise ValueError(f"impl must be 'auto' or one of {names}, got {impl!r}")
+    if config is not None:
+        owner = next((n for n in names if type(config) is IMPLEMENTATIONS[n].config_type), None)
+        if owner is None or impl not in ("auto", owner):
+            want = [IMPLEMENTATIONS[n].config_type.__name__ for n in
+                    (names if impl == "auto" else (impl,))]
+            raise TypeError(f"config must be one of {want} for impl={impl!r}, got "
+                            f"{type(config).__name__}")
+        return owner
+    if impl != "auto":
+        return impl
+    return _AUTO_BY_BACKEND.get(jax.default_backend(), "xla")
+
+
+def plan(impl: Impl | Literal["auto"], config, spec: HeadSpec):
+    """``(implementation, plan, padded rows)`` for ``spec``.
+
+    An implementation that cannot run ``spec`` raises under an explicit ``impl``; under
+    ``"auto"`` the XLA path takes over (with its default config) and the reason is logged
+    (logger ``"jaxhead"``, level WARNING). Any other failure to plan or lower a kernel under
+    ``"auto"`` is treated the same way.
+
+    Raises:
+      KernelUnsupported / ValueError / TypeError: as ``resolve_impl`` and the
+        implementation's ``plan`` (explicit ``impl`` only).
+    """
+    name = resolve_impl(impl, config)
+    chosen = IMPLEMENTATIONS[name]
+    try:
+        made, padded = chosen.plan(config, spec)
+        return chosen, made, padded
+    except KernelUnsupported as err:
+        if impl != "auto" or name not in _FALLBACK:
+            raise
+        logger.warning("impl='auto': %s cannot run this call (%s); using 'xla'", name, err)
+    fallback = IMPLEMENTATIONS[_FALLBACK[name]]
+    made, padded = fallback.plan(None, spec)
+    return fallback, made, padded
+
+
+def _resolve_bucket(keep, bucket, num_tokens: int) -> int:
+    # numpy, not jnp: inside a jit trace jnp ops on a closed-over concrete array are traced
+    count = int(np.count_nonzero(np.asarray(keep))) if validation.is_concrete(keep) else None
+    if bucket is None:
+        return num_tokens if count is None else bucket_size(count, num_tokens)
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
+        raise ValueError(f"bucket must be a non-negative int or None, got {bucket!r}")
+    if count is not None and count > bucket:
+        raise ValueError(
+            f"bucket={bucket} is smaller than the {count} kept tokens; pass a larger bucket "
+            f"(jaxhead.bucket_size({count}, {num_tokens}) = {bucket_size(count, num_tokens)})"
+        )
+    return min(bucket, num_tokens)
+
+
+def run_compacted(head, made, padded: int, h, weight, y, inv_temp, keep=None):
+    """Compact the kept rows into ``padded`` slots, run ``head(made, ...)``, expand back.
+
+    Args:
+      head: an implementation (``HeadImplementation``) and ``made`` its plan for
+        ``padded`` rows.
+      h: ``[N, H]``; weight: ``[H, V]`` (or a vocab shard); y: int32 ``[N]``;
+      inv_temp: float32 ``[N]``; keep: bool ``[N]`` or None (every row, in order).
+
+    Returns:
+      float32 ``(logp, entropy)``, ``[N]`` each: 0 where not kept, NaN for kept rows
+      beyond the bucket (it overflowed).
+    """
+    num_tokens = h.shape[0]
+    if padded == 0:  # nothing kept, or no tokens: nothing to compute
+        zeros = jnp.zeros((num_tokens,), jnp.float32)
+        if keep is None:
+            return zeros, zeros
+        lost = jnp.where(keep, jnp.nan, 0.0).astype(jnp.float32)  # kept tokens cannot fit
+        return lost, lost
+    if keep is None:  # every row, in order: pad to the implementation's row multiple
+        pad = [(0, padded - num_tokens)]
+        logp, ent = head(made, jnp.pad(h, pad + [(0, 0)]), weight, jnp.pad(y, pad),
+                         jnp.pad(inv_temp, pad, constant_values=1.0))
+        return logp[:num_tokens], ent[:num_tokens]
+    idx, pos = compaction.kept_indices(keep, padded)
+    logp, ent = head(made, compaction.compact(h, idx, pos), weight,
+                     compaction.gather_rows(y, idx, 0), compaction.gather_rows(inv_temp, idx, 1.0))
+    logp, ent = compaction.expand(logp, idx, pos), compaction.expand(ent, idx, pos)
+    if padded < num_tokens:
+        lost = compaction.overflow_mask(keep, padded)
+        logp = jnp.where(lost, jnp.nan, logp)
+        ent = jnp.where(lost, jnp.nan, ent)
+    return logp, ent
+
+
+def token_logprobs(
+    hidden: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    keep: jax.Array | None = None,
+    *,
+    temperature=1.0,
+    softcap: float | None = None,
+    with_entropy: bool = True,
+    bucket: int | None = None,
+    impl: Impl | Literal["auto"] = "auto",
+    config=None,
+) -> HeadOutput:
+    """float32 ``log p(label)`` and entropy of the kept tokens, without ``[N, V]`` logits.
+
+    The logits of a token are ``l = z / temperature`` with ``z = u`` or, with a soft-cap
+    ``c``, ``z = c * tanh(u / c)`` (Gemma 2, applied before the temperature), where
+    ``u = hidden @ weight`` is accumulated in float32. Then
+    ``logprobs = l_label - logsumexp(l)`` and ``entropy = -sum_v p_v log p_v`` (nats). Kept
+    tokens are gathered into a padded bucket of static size, the vocabulary is scanned in
+    chunks with an online log-sum-exp, and the backward pass recomputes each logit tile: memory
+    is ``O(bucket * H + tile)``, never ``O(N * V)``.
+
+    Args:
+      hidden: ``[..., H]`` bf16 / f16 / f32 final hidden states (after the final norm).
+      weight: ``[H, V]`` head weight, same dtype as ``hidden`` (for tied embeddings pass the
+        embedding table transposed).
+      labels: int ``[...]``: the next token of each position (see ``next_token_labels``).
+      keep: optional bool ``[...]`` (see ``keep_mask``): positions to compute. None: all.
+      temperature: scalar or float ``[...]`` (> 0): sampling temperature per token. Treated
+        as a constant: no gradient flows to it.
+      softcap: ``c > 0`` or None.
+      with_entropy: also compute the entropy and its gradient.
+      bucket: static number of rows the kept tokens are compacted into. None: with a
+        concrete ``keep``, ``bucket_size(keep.sum(), N)`` chosen on the host; with a traced
+        ``keep``, N (correct, but no saving: pass a bucket under ``jit``). 0: nothing is
+        computed (every kept token then overflows).
+      impl: one of ``Impl``: ``"xla"`` (the chunked XLA scan, every backend), ``"xla_cpu"``
+        (the same with XLA:CPU tuning), ``"pallas_tpu"`` (Mosaic TPU kernels),
+        ``"pallas_triton"`` (Triton GPU kernels), ``"reference"`` (full logits of the
+        compacted rows), or ``"auto"``: by ``jax.default_backend()``: pallas_tpu on TPU,
+        pallas_triton on GPU, xla_cpu on CPU; when the kernel cannot run the call (e.g. an
+        unsupported dtype, or tiles that exceed VMEM) ``"auto"`` uses xla and logs the
+        reason (logger ``"jaxhead"``). The kernels run on CPU only in Pallas interpret mode
+        (``jaxhead.pallas_interpret``), for tests.
+      config: the implementation's settings: ``XlaConfig``, ``XlaCpuConfig``,
+        ``PallasTpuConfig`` or ``PallasTritonConfig`` (a config also names its
+        implementation under ``impl="auto"``); None: the defaults.
+
+    Returns:
+      ``HeadOutput(logprobs, entropy)``, float32 ``[...]``; exactly 0 where ``keep`` is
+      false, and exactly zero gradient there; ``entropy`` is None without
+      ``with_entropy``. Differentiable w.r.t. ``hidden`` and ``weight``; gradients come
+      back in their dtypes, accumulated in float32.
+
+    Raises:
+      ValueError: shapes that disagree (both named); with concrete inputs, kept labels
+        outside ``[0, V)`` (count and first position named), a temperature not > 0 on a
+        kept token, or ``bucket`` smaller than the number of kept tokens; an unknown impl;
+        a bad config value (named). ``jaxhead.KernelUnsupported`` (a ValueError): an
+        explicit kernel impl that cannot run the call (the reason named).
+      TypeError: non-float hidden/weight, different hidden/weight dtypes, non-integer
+        labels, non-bool keep; a config of another implementation.
+
+    Under ``jit`` the value checks cannot run on the host. Instead, a kept token whose
+    label is outside ``[0, V)``, or that does not fit in ``bucket``, gets ``logprobs = NaN``
+    (and, for the bucket case, ``entropy = NaN``) so that the loss turns NaN rather than
+    silently wrong; a temperature <= 0 gives inf/NaN the same way.
+    """
+    validation.check_inputs(hidden, weight, labels, keep, temperature, softcap)
+    hidden_size, vocab_size = weight.shape
+    validation.check_values(labels, keep, temperature, vocab_size)
+    batch_shape = labels.shape
+    num_tokens = math.prod(batch_shape)
+    rows = num_tokens if keep is None else _resolve_bucket(keep, bucket, num_tokens)
+    spec = HeadSpec(rows, hidden_size, vocab_size, jnp.dtype(hidden.dtype).name, softcap,
+                    with_entropy)
+    head, made, padded = plan(impl, config, spec)
+    temp = jax.lax.stop_gradient(jnp.asarray(temperature, jnp.float32))
+    inv_temp = jnp.broadcast_to(1.0 / temp, batch_shape).reshape(num_tokens)
+    logp, ent = run_compacted(
+        head, made, padded, hidden.reshape(num_tokens, hidden_size), weight,
+        labels.reshape(num_tokens).astype(jnp.int32), inv_temp,
+        None if keep is None else keep.reshape(num_tokens),
+    )
+    return HeadOutput(logp.reshape(batch_shape),
+                      ent.reshape(batch_shape) if with_entropy else None)

@@ -1,0 +1,184 @@
+"""The head's tile math, shared by every implementation: the XLA scan, both Pallas kernels,
+the vocab-parallel head and the sampler.
+
+Plain ``jax.numpy`` on values already in fast memory, so the same code lowers through XLA,
+Mosaic (TPU) and Triton (GPU) and runs in Pallas interpret mode. Shapes: a tile is float32
+``[T, C]`` (T rows, C vocab columns); per-row values are float32 ``[T, 1]`` (or any shape
+that broadcasts against the tile: the combine and finalise steps are elementwise).
+
+A row's logits are ``l = z * it`` with ``z = u`` or, with a soft-cap ``c``, ``z = c tanh(u/c)``
+(Gemma 2), ``u = h . w`` accumulated in float32 and ``it = 1 / temperature``. The online
+statistics of the columns seen so far (DESIGN.md, step 3) are kept as::
+
+    m   = max_v z_v                                   (pre-temperature; -inf before any column)
+    r   = s - 1,  s = sum_v exp(d_v),  d_v = (z_v - m) * it   (-1 before any column)
+    t   = sum_v exp(d_v) d_v                          (0 without entropy)
+    zy  = z of the label column (0 while it is not among the columns)
+
+and at the end ``log s = log1p(r)``, ``logZ = m * it + log s``,
+``logp = (zy - m) * it - log s``, ``entropy = log s - t / s``.
+
+Three choices keep float32 exact where it matters:
+
+* ``s`` is stored as ``r = s - 1``: the maximum's own ``exp(0) = 1`` is never added, so a
+  peaked row's ``s = 1 + 0.003`` keeps all the digits of ``0.003`` (and ``log s``, the
+  entropy and every probability with them).
+* The maximum is taken on ``z``, before the temperature, and every exponent is
+  ``(z - m) * it``: the difference is exact or nearly (Sterbenz) and only then scaled, so a
+  temperature of 0.01 (logits ~1e4) or a large common shift of the logits costs no digits
+  beyond the matmul's own rounding of ``u``.
+* The backward pass rebuilds ``p_v = exp(d_v - log s)`` from ``m`` and ``log s`` (both
+  saved), never from a rounded ``logZ``: with ``z = [512, 511]`` a float32 ``logZ`` is off by
+  half an ulp of 512 (3e-5) and so would be every probability and gradient.
+
+Columns outside the vocabulary or outside a truncated support (``valid`` false), and columns
+whose logit is ``-inf``, count as probability 0: they add nothing to the statistics, their
+``0 * log 0`` entropy term is 0, and their ``du`` is exactly 0 whatever the tile held there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+class Stats(NamedTuple):
+    """Online log-sum-exp statistics of some vocab columns (see the module docstring):
+    ``m`` (max of z), ``r`` (s - 1), ``t`` and ``zy``, float32, one value per row."""
+
+    m: jax.Array
+    r: jax.Array
+    t: jax.Array
+    zy: jax.Array
+
+
+class Rows(NamedTuple):
+    """Per-row results of a finished scan, float32: ``logp``, ``entropy`` (0 without
+    entropy), and the backward pass's residuals ``m`` (max of z) and ``log_s``."""
+
+    logp: jax.Array
+    entropy: jax.Array
+    m: jax.Array
+    log_s: jax.Array
+
+
+def matmul(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
+    """float32 ``a . b`` contracting dim ``contract[0]`` of ``a`` with ``contract[1]`` of ``b``
+    (2-D operands). float32 operands use full float32 precision (no TF32 / bf16 passes);
+    narrower ones multiply exactly and accumulate in float32."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(
+        a, b, (((contract[0],), (contract[1],)), ((), ())),
+        precision=precision, preferred_element_type=jnp.float32,
+    )
+
+
+def logits(u: jax.Array, softcap: float | None) -> tuple[jax.Array, jax.Array | None]:
+    """``(z, tanh(u / c) or None)``: the pre-temperature logits of the float32 tile ``u``."""
+    if softcap is None:
+        return u, None
+    th = jnp.tanh(u * (1.0 / softcap))
+    return softcap * th, th
+
+
+def init_stats(shape) -> Stats:
+    """Statistics of no columns: ``m = -inf``, ``r = -1``, ``t = zy = 0``."""
+    zeros = jnp.zeros(shape, jnp.float32)
+    return Stats(jnp.full(shape, -jnp.inf, jnp.float32), zeros - 1.0, zeros, zeros)
+
+
+def _live(z, valid):
+    """Columns with probability > 0 possible: valid and not ``-inf`` (NaN stays live, so it
+    propagates)."""
+    live = z != -jnp.inf
+    return live if valid is None else live & valid
+
+
+def tile_stats(z, it, valid, hit, with_entropy: bool) -> Stats:
+    """``Stats`` of one tile ``z [T, C]`` (``it [T, 1]``; ``valid`` bool broadcasting to the
+    tile or None: every column; ``hit`` bool ``[T, C]``: the label column)."""
+    live = _live(z, valid)
+    m = jnp.max(jnp.where(live, z, -jnp.inf), axis=-1, keepdims=True)
+    d = jnp.where(live, (z - m) * it, -jnp.inf)
+    e = jnp.exp(d)
+    at_max = live & (z == m)
+    ties = jnp.sum(at_max.astype(jnp.float32), axis=-1, keepdims=True)
+    rest = jnp.sum(jnp.where(at_max, 0.0, e), axis=-1, keepdims=True)
+    t = jnp.zeros_like(m)
+    if with_entropy:
+        t = jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=-1, keepdims=True)
+    zy = jnp.sum(jnp.where(hit, z, 0.0), axis=-1, keepdims=True)
+    return Stats(m, rest + (ties - 1.0), t, zy)
+
+
+def _relative(m, r, t, big, it, with_entropy: bool):
+    """A part's contributions to ``s - 1`` and ``t`` of a union whose max is ``big``, and
+    whether it holds that max (1.0 / 0.0). Parts at the max contribute ``r`` exactly; the
+    others ``a (1 + r)`` with ``a = exp((m - big) it)`` (0 for an empty part)."""
+    at = m == big
+    shift = jnp.where(at, 0.0, (m - big) * it)
+    a = jnp.exp(shift)
+    r_part = jnp.where(at, r, a * r + a)
+    t_part = jnp.zeros_like(r)
+    if with_entropy:
+        t_part = a * (t + jnp.where(a > 0, shift, 0.0) * (r + 1.0))
+    return r_part, t_part, at.astype(jnp.float32)
+
+
+def merge(x: Stats, y: Stats, it, with_entropy: bool) -> Stats:
+    """The statistics of the union of two disjoint column sets."""
+    big = jnp.maximum(x.m, y.m)
+    rx, tx, nx = _relative(x.m, x.r, x.t, big, it, with_entropy)
+    ry, ty, ny = _relative(y.m, y.r, y.t, big, it, with_entropy)
+    return Stats(big, (rx + ry) + (nx + ny - 1.0), tx + ty, x.zy + y.zy)
+
+
+def combine(parts: Stats, it, with_entropy: bool,
+            reduce_max: Callable[[jax.Array], jax.Array],
+            reduce_sum: Callable[[jax.Array], jax.Array]) -> Stats:
+    """The statistics of the union of many disjoint column sets whose ``parts`` are reduced
+    by ``reduce_max`` / ``reduce_sum``: over a stacked axis (``lambda x: x.max(0)``) or
+    over a mesh axis (``lambda x: lax.pmax(x, axis)``, Megatron-LM's vocab-parallel
+    cross-entropy, Shoeybi et al. 2019). Every part sees the same result."""
+    big = reduce_max(parts.m)
+    r, t, n = _relative(parts.m, parts.r, parts.t, big, it, with_entropy)
+    return Stats(big, reduce_sum(r) + (reduce_sum(n) - 1.0), reduce_sum(t),
+                 reduce_sum(parts.zy))
+
+
+def update(stats: Stats, z, it, valid, hit, with_entropy: bool) -> Stats:
+    """Fold one tile into the running statistics (``tile_stats`` then ``merge``)."""
+    return merge(stats, tile_stats(z, it, valid, hit, with_entropy), it, with_entropy)
+
+
+def finalize(stats: Stats, it, with_entropy: bool) -> Rows:
+    """``Rows`` from the statistics of the whole vocabulary (or support)."""
+    log_s = jnp.log1p(stats.r)
+    logp = (stats.zy - stats.m) * it - log_s
+    ent = log_s - stats.t / (stats.r + 1.0) if with_entropy else jnp.zeros_like(log_s)
+    return Rows(logp, ent, stats.m, log_s)
+
+
+def dlogits(z, th, it, m, log_s, ent, g, e, valid, hit, with_entropy: bool) -> jax.Array:
+    """float32 ``dL/du`` of one recomputed tile for ``L = sum g logp + sum e entropy``.
+
+    ``dl_v = g (onehot_v - p_v) - e p_v (log p_v + entropy)``, then through the temperature
+    and the soft-cap (``th = tanh(u / c)`` or None): ``du = dl * it * (1 - th^2)``. Per-row
+    ``[T, 1]``: ``it``, ``m``, ``log_s``, ``ent`` (forward results), ``g``, ``e``. Exactly 0
+    on columns that are not ``valid`` and on ``-inf`` logits (except the label's own
+    ``g`` term).
+    """
+    live = _live(z, valid)
+    logp = jnp.where(live, (z - m) * it - log_s, -jnp.inf)
+    p = jnp.exp(logp)
+    dl = g * (jnp.where(hit, 1.0, 0.0) - p)
+    if with_entropy:
+        dl = dl - e * jnp.where(p > 0, p * (logp + ent), 0.0)
+    du = dl * it
+    if th is not None:
+        du = du * (1.0 - th * th)
+    return du if valid is None else jnp.where(valid, du, 0.0)
