@@ -6,7 +6,8 @@ Public API (everything under ``jaxhead._src`` is private and may change):
   sharded_token_logprobs      the same under a device mesh: per-shard compaction, optional
                               vocab-parallel head
   reference_token_logprobs    the plain full-logits head (oracle and baseline)
-  sample, Sample              chunked Gumbel-max sampling from the head, no [B, V] logits
+  sample, Sample              sampling from the head (chunked Gumbel-max, no [B, V] logits;
+                              top-k / top-p / min-p with the support's log-probs)
   keep_mask                   union of the loss components that read each token
   next_token_labels           shift-left labels that respect packed segments
   bucket_size, bucket_ladder  static padded sizes for the kept set
@@ -31,7 +32,7 @@ from jaxhead._src.head.xla import XlaConfig
 from jaxhead._src.head.xla_cpu import XlaCpuConfig
 from jaxhead._src.masks import keep_mask, next_token_labels
 from jaxhead._src.nnx import LMHead
-from jaxhead._src.sampling import sample, top_p_sample
+from jaxhead._src.sampling import sample
 from jaxhead._src.types import HeadOutput, Sample
 
 __all__ = [
@@ -55,5 +56,4 @@ __all__ = [
     "sample",
     "sharded_token_logprobs",
     "token_logprobs",
-    "top_p_sample",
 ]

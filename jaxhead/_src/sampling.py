@@ -1,31 +1,56 @@
-"""Sampling from the head without ``[B, V]`` logits: a chunked Gumbel-max in float32.
+"""Sampling from the head: the token, its log-prob under the distribution it was drawn
+from, and that distribution's support, in float32 with the head's own tile math.
 
-For each row the vocabulary is scanned in chunks with the head's own tile math
-(``jaxhead._src.head.math``: same float32 accumulation, soft-cap and online statistics) and
-two things are carried:
+**Untruncated** (``top_k = 0``, ``top_p = 1``, ``min_p = 0``): a chunked Gumbel-max, never
+``[B, V]``. The vocabulary is scanned in chunks; each carries the online statistics of the
+logits (``jaxhead._src.head.math``, exactly as ``jaxhead.token_logprobs`` computes them) and
+the running arg-max of ``l_v + g_v`` with ``g_v`` i.i.d. standard Gumbel noise: by the
+Gumbel-max trick, ``argmax_v (l_v + g_v)`` is a draw from ``softmax(l)`` (Gumbel 1954;
+Maddison, Tarlow & Minka, "A* Sampling", 2014).
 
-* the running arg-max of ``l_v + g_v`` with ``l = z / tau`` and ``g_v`` i.i.d. standard
-  Gumbel noise: by the Gumbel-max trick, ``argmax_v (l_v + g_v)`` is a draw from
-  ``softmax(l)`` (Gumbel 1954; Maddison, Tarlow & Minka, "A* Sampling", 2014);
-* the online log-sum-exp statistics of ``l`` over *all* V columns, so that the returned
-  ``log p(token) = (z_token - m) / tau - log s`` is the very number
-  ``jaxhead.token_logprobs`` gives for that token at temperature ``tau`` (sampler and
-  trainer agree by construction).
+**Truncated** (any of ``top_k``, ``top_p``, ``min_p``): the full float32 logits ``[B, V]``
+of the rows: ``B * V * 4`` bytes, e.g. 78 MB for 128 rows of Qwen3's 151,936 columns, and
+a few temporaries of that size. Each of
+the three supports is an upper set of the tempered logits, so their intersection is
+``{v : l_v >= tau}`` for one per-row threshold ``tau`` (ties at the threshold included):
 
-Columns ``>= num_valid`` (ids a tokenizer never produces, e.g. the padding rows of
-Qwen3's 151,936-entry embedding beyond its 151,669 real tokens) are never drawn: they
-take part in ``logZ`` (the trainer's normaliser) but not in the arg-max, so the draw
-follows ``softmax(l)`` restricted to the valid ids. For a trained model their mass is
-negligible; the difference is ``log(1 - p(invalid))`` per token.
+* ``top_k``: ``tau_k`` = the k-th largest logit (Fan et al., 2018);
+* ``top_p``: the smallest set of most likely ids whose probability, renormalised over the
+  ``top_k`` set, reaches ``top_p`` (nucleus sampling, Holtzman et al., 2020): ``tau_p`` =
+  the logit of its least likely member (found by bisection, not a sort);
+* ``min_p``: ids at least ``min_p`` times as likely as the most likely one (Nguyen et al.,
+  2024, "Turning Up the Heat: Min-p Sampling"): ``tau_m = max_v l_v + log(min_p)``;
 
-The noise is drawn as ``g_v = -log(E_v)`` with ``E_v = -log(u_v)`` exponential, and
-within a chunk the arg-max is taken as ``argmax exp(l_v - m) / E_v`` (the same order),
-reusing the ``exp`` the log-sum-exp computes anyway; ``u_v`` comes from a counter-based
-hash of a per-row seed and the vocab id (cheap next to a Threefry block per element).
+``tau = max(tau_k, tau_p, tau_m)`` (the order of Hugging Face's and vLLM's warpers: top-k,
+then top-p on what is left, then min-p, whose threshold the first two do not move). The
+recorded ``min_logit`` is moved down to halfway between the support's smallest logit and
+the largest one left out: the same support, robust to a trainer whose logits round a few
+ulps differently. The
+token is drawn by Gumbel-max over the support, and its recorded log-prob is that of the
+softmax renormalised over the support: what ``jaxhead.token_logprobs(...,
+min_logit=tau)`` computes, so that an RL trainer scores the distribution the token was
+actually drawn from (``Sample.min_logit``).
 
-Memory is one ``[B, C]`` float32 tile, never ``[B, V]``. ``temperature == 0`` is greedy
-(arg-max of ``l`` at temperature 1, no noise). ``top_p_sample`` is the full-logits path
-for nucleus sampling.
+Noise: ``g = -log(-log(u))`` with ``u = (k + 1/2) 2^-23`` for a 23-bit counter hash ``k``
+of the row's 64-bit seed (two words from ``jax.random.bits`` of the key) and the vocab id,
+so ``u`` lies in ``[2^-24, 1 - 2^-24]`` (every value exact in float32, never 0 or 1) and
+``g`` in ``[-2.82, 16.64]``, always finite (``_gumbel``; the tests check all ``2^23``
+values). A draw depends on the key and the rows' order only: not on ``vocab_chunk``, nor on
+how the rows are split over devices. Why a hash and not ``jax.random.gumbel`` per element:
+on a 2-core CPU, Threefry noise for one decode step of 128 rows x 151,936 ids took about
+700 ms against 25 ms for the hash and ~120 ms for the head's matmul (``jax`` 0.10.2), a
+sampler several times slower. Greedy calls draw no noise. A candidate is compared with the
+running best as ``(z - z_best) / tau + (g - g_best)``: differences of nearby numbers first,
+so a low temperature (logits ~1e4) does not round the noise away. Because the noise is
+bounded, a token whose probability is below ``e^-19.5 ~ 3.5e-9`` times that of the most
+likely one cannot win against it (a tail mass of at most ``V * 3.5e-9``, 5e-4 at
+V = 151,936, in the most adversarial row); ids with probability 0 (a ``-inf`` logit,
+outside the support or past ``num_valid``) never win.
+
+Ids ``>= num_valid`` (ids a tokenizer never produces, e.g. the padding rows of Qwen3's
+151,936-entry embedding beyond its 151,669 real tokens) are never drawn; they take part in
+the normaliser, as they do in the trainer's ``token_logprobs`` (for a trained model their
+mass is negligible; the difference is ``log(1 - p(invalid))`` per token).
 """
 
 from __future__ import annotations
@@ -41,7 +66,7 @@ from jaxhead._src.types import Sample
 DEFAULT_VOCAB_CHUNK = 8192
 
 
-def _check(hidden, weight, num_valid):
+def _check(hidden, weight, num_valid, temperature, top_k, top_p, min_p):
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[0]:
         raise ValueError(
             f"hidden must be [B, H] and weight [H, V] with matching H, got {hidden.shape} "
@@ -51,78 +76,22 @@ def _check(hidden, weight, num_valid):
     num_valid = vocab if num_valid is None else int(num_valid)
     if not 0 < num_valid <= vocab:
         raise ValueError(f"num_valid must be in [1, V={vocab}], got {num_valid}")
+    if isinstance(temperature, (int, float)) and not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= vocab:
+        raise ValueError(f"top_k must be an int in [0, V={vocab}] (0: off), got {top_k!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1: off), got {top_p!r}")
+    if not 0 <= min_p < 1:
+        raise ValueError(f"min_p must be in [0, 1) (0: off), got {min_p!r}")
     return num_valid
 
 
-def sample(
-    hidden: jax.Array,
-    weight: jax.Array,
-    key: jax.Array,
-    *,
-    temperature=1.0,
-    softcap: float | None = None,
-    num_valid: int | None = None,
-    vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
-) -> Sample:
-    """Draw one token per row from ``softmax(z / temperature)`` by a chunked Gumbel-max.
-
-    Args:
-      hidden: ``[B, H]`` final hidden states (bf16 / f32) of the positions to sample from.
-      weight: ``[H, V]`` head weight, same dtype as ``hidden``.
-      key: a JAX PRNG key: it draws one 32-bit seed per row, and the noise of vocab id
-        ``v`` in that row is a counter-based hash of (seed, v) (``_uniform``), so a draw
-        depends on nothing but the key (not on the chunking).
-      temperature: float ``>= 0``, a Python number or a traced scalar (one compiled
-        function then serves greedy and sampled decoding); 0 means greedy.
-      softcap: soft-cap ``c`` of the head (``z = c tanh(u / c)``) or None.
-      num_valid: only ids ``< num_valid`` are drawn (None: all V).
-      vocab_chunk: columns per tile.
-
-    Returns:
-      ``Sample(tokens int32 [B], logprobs float32 [B])``.
-
-    Raises:
-      ValueError: bad shapes, ``temperature < 0``, ``num_valid`` outside ``[1, V]``.
-    """
-    num_valid = _check(hidden, weight, num_valid)
-    if isinstance(temperature, (int, float)) and temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    rows = hidden.shape[0]
-    f32 = jnp.float32
-    temperature = jnp.asarray(temperature, f32)
-    sampled = temperature > 0
-    inv_temp = jnp.where(sampled, 1.0 / jnp.where(sampled, temperature, 1.0), 1.0)
-    it = jnp.full((rows, 1), inv_temp)
-    row_seed = _mix(jax.random.bits(key, (rows,), jnp.uint32))[:, None]
-    init = (
-        hm.init_stats((rows, 1)),  # log-sum-exp statistics of z over every column
-        jnp.full((rows,), -jnp.inf, f32),  # best score l + g
-        jnp.zeros((rows,), jnp.int32),  # best token
-        jnp.zeros((rows,), f32),  # z of the best token
-    )
-
-    def step(carry, w_c, off, h):
-        stats, best, tok, z_tok = carry
-        z, _ = hm.logits(hm.matmul(h, w_c, (1, 0)), softcap)
-        ids = lax.broadcasted_iota(jnp.int32, z.shape, 1) + off
-        stats = hm.update(stats, z, it, None, jnp.zeros(z.shape, bool), False)
-        l = z * it
-        # Gumbel-max: argmax_v (l_v + g_v) with g_v = -log(E_v), E_v ~ Exp(1)
-        expo = jnp.where(sampled, -jnp.log(_uniform(row_seed, ids)), 1.0)
-        score = jnp.where(ids < num_valid, l - jnp.log(expo), -jnp.inf)
-        j = jnp.argmax(score, axis=1)
-        c_best = jnp.take_along_axis(score, j[:, None], axis=1)[:, 0]
-        better = c_best > best
-        return (stats, jnp.where(better, c_best, best),
-                jnp.where(better, j.astype(jnp.int32) + off, tok),
-                jnp.where(better, jnp.take_along_axis(z, j[:, None], axis=1)[:, 0], z_tok))
-
-    tuning = sc.Tuning()
-    h = hidden.astype(tuning.tile_dtype(hidden.dtype))
-    stats, _, tok, z_tok = sc.scan_vocab(tuning, min(vocab_chunk, weight.shape[1]), step, init,
-                                         weight, (h,))
-    logp = (z_tok - stats.m[:, 0]) * inv_temp - jnp.log1p(stats.r[:, 0])
-    return Sample(tok, logp)
+def _inv_temp(temperature):
+    """``(1 / temperature, sampled)``: greedy (``temperature == 0``) scores at 1."""
+    t = jnp.asarray(temperature, jnp.float32)
+    sampled = t > 0
+    return jnp.where(sampled, 1.0 / jnp.where(sampled, t, 1.0), 1.0), sampled
 
 
 def _mix(x: jax.Array) -> jax.Array:
@@ -135,57 +104,199 @@ def _mix(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def _uniform(row_seed: jax.Array, ids: jax.Array) -> jax.Array:
-    """float32 uniforms in ``(0, 1)`` for ``(row, vocab id)``: a counter-based hash of the
-    row's random seed and the id (``mix(mix(id) ^ seed)``), 24 random bits. A few integer
-    operations per element instead of a Threefry block: the noise of a 151,936-entry
-    vocabulary would otherwise cost more than the head's matmul on a CPU."""
-    bits = _mix(_mix(ids.astype(jnp.uint32)) ^ row_seed)
-    return ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+def uniform_from_bits(bits: jax.Array) -> jax.Array:
+    """float32 uniforms from uint32 ``bits``: the top 23 bits ``k`` give
+    ``u = (k + 1/2) 2^-23`` in ``[2^-24, 1 - 2^-24]``, each exact in float32, never 0 or 1."""
+    return ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
 
 
-def top_p_sample(
+def gumbel_from_bits(bits: jax.Array) -> jax.Array:
+    """float32 standard Gumbel noise ``-log(-log(u))`` of ``uniform_from_bits``: always
+    finite, in ``[-2.82, 16.64]``."""
+    return -jnp.log(-jnp.log(uniform_from_bits(bits)))
+
+
+def _uniform(seeds: jax.Array, ids: jax.Array) -> jax.Array:
+    """Uniforms for each (row, vocab id): a counter hash of the row's ``seeds`` (uint32
+    ``[B, 2]``) and the ``ids`` (int32 ``[B, C]``)."""
+    return uniform_from_bits(_mix(_mix(ids.astype(jnp.uint32) ^ seeds[:, 1:]) ^ seeds[:, :1]))
+
+
+def _gumbel(seeds: jax.Array, ids: jax.Array) -> jax.Array:
+    """Gumbel noise for each (row, vocab id) (``-log(-log(_uniform))``)."""
+    return -jnp.log(-jnp.log(_uniform(seeds, ids)))
+
+
+def _noise(seeds, ids, sampled):
+    """``_gumbel`` noise of the tile ``ids`` (zeros, and no hashing, when greedy)."""
+    return lax.cond(sampled, lambda: _gumbel(seeds, ids),
+                    lambda: jnp.zeros(ids.shape, jnp.float32))
+
+
+def _pick(z, g, it, eligible):
+    """Per row: ``(index, z, g, eligible)`` of the arg-max of ``(z - max z) * it + g`` over
+    the ``eligible`` columns of the tile (the first index among ties)."""
+    m = jnp.max(jnp.where(eligible, z, -jnp.inf), axis=1, keepdims=True)
+    score = jnp.where(eligible, (z - m) * it + g, -jnp.inf)
+    j = jnp.argmax(score, axis=1)[:, None]
+
+    def at(x):
+        return jnp.take_along_axis(x, j, axis=1)[:, 0]
+
+    return j[:, 0].astype(jnp.int32), at(z), at(g), at(eligible)
+
+
+def _better(z, g, ok, best_z, best_g, it):
+    """The candidate beats the best so far (ties keep the earlier, lower id)."""
+    first = best_z == -jnp.inf
+    return ok & (first | ((z - best_z) * it[:, 0] + (g - best_g) > 0))
+
+
+def _chunked(hidden, weight, seeds, it, sampled, softcap, num_valid, vocab_chunk):
+    """The untruncated path. Per chunk, one logarithm per column: the Gumbel-max winner is
+    the arg-max of ``exp(d) / E`` with ``E = -log(u) = exp(-g)`` (the same order as
+    ``d + g``), reusing the ``exp`` of the log-sum-exp; only the winner's ``g`` is formed.
+    ``E >= 6e-8``: never a division by zero, and a column with ``exp(d) = 0`` (probability
+    0, or below float32's range) scores 0 while the chunk's max scores at least 0.06."""
+    rows = hidden.shape[0]
+    f32 = jnp.float32
+    init = (hm.init_stats((rows, 1)), jnp.zeros((rows,), jnp.int32),
+            jnp.full((rows,), -jnp.inf, f32), jnp.zeros((rows,), f32))
+    chunk = min(vocab_chunk, weight.shape[1])
+
+    def step(carry, w_c, off, h):
+        stats, tok, best_z, best_g = carry
+        z, _ = hm.logits(hm.matmul(h, w_c, (1, 0)), softcap)
+        ids = lax.broadcasted_iota(jnp.int32, z.shape, 1) + off
+        terms = hm.tile_exp(z, it, None)
+        stats = hm.merge(stats, hm.tile_stats(z, it, None, None, False, terms), it, False)
+        expo = lax.cond(sampled, lambda: -jnp.log(_uniform(seeds, ids)),
+                        lambda: jnp.ones(z.shape, f32))
+        score = jnp.where(terms[3] & (ids < num_valid), terms[2] / expo, -1.0)
+        j = jnp.argmax(score, axis=1)[:, None]
+
+        def at(x):
+            return jnp.take_along_axis(x, j, axis=1)[:, 0]
+
+        cz, cg = at(z), jnp.where(sampled, -jnp.log(at(expo)), 0.0)
+        take = _better(cz, cg, at(score) > 0, best_z, best_g, it)
+        return (stats, jnp.where(take, j[:, 0] + off, tok), jnp.where(take, cz, best_z),
+                jnp.where(take, cg, best_g))
+
+    tuning = sc.Tuning()
+    stats, tok, z_tok, _ = sc.scan_vocab(tuning, chunk, step, init, weight, (hidden,))
+    logp = (z_tok - stats.m[:, 0]) * it[:, 0] - jnp.log1p(stats.r[:, 0])
+    ninf = jnp.full((rows,), -jnp.inf, f32)
+    return Sample(tok, logp, ninf, jnp.zeros((rows,), f32))
+
+
+def _ordered(x):
+    """float32 -> uint32 keys in the same order (``-inf < ... < 0 < ... < inf``)."""
+    bits = lax.bitcast_convert_type(x + 0.0, jnp.uint32)  # + 0.0: -0 becomes +0
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _largest_threshold(l, weight, target):
+    """Per row, the largest logit ``tau`` of ``l [B, V]`` with
+    ``sum(weight[l >= tau]) >= target [B, 1]`` (``weight >= 0``; where no logit qualifies
+    the smallest one). Bisection on the ordered integer keys of ``l``: 32 masked sums over
+    ``[B, V]`` and no sort (XLA:CPU sorts or takes the top-k of a 151,936-wide row 20-100x
+    slower); exact, the answer is one of the row's logits."""
+    keys = _ordered(l)
+    lo = jnp.min(keys, axis=1, keepdims=True)
+    hi = jnp.max(keys, axis=1, keepdims=True)
+
+    def step(_, bounds):
+        lo, hi = bounds
+        gap = hi - lo
+        mid = lo + (gap >> 1) + (gap & 1)  # the upper middle, no overflow
+        ok = jnp.sum(jnp.where(keys >= mid, weight, 0.0), axis=1, keepdims=True) >= target
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    lo, _ = lax.fori_loop(0, 32, step, (lo, hi))
+    return jnp.max(jnp.where(keys <= lo, l, -jnp.inf), axis=1, keepdims=True)
+
+
+def _threshold(l, eligible, top_k, top_p, min_p):
+    """Per-row ``tau`` ``[B, 1]`` of the tempered logits ``l`` (see the module docstring)."""
+    masked = jnp.where(eligible, l, -jnp.inf)
+    alive = (masked > -jnp.inf).astype(jnp.float32)
+    tau = jnp.full((l.shape[0], 1), -jnp.inf, jnp.float32)
+    if top_k:
+        tau = _largest_threshold(masked, alive, jnp.float32(top_k))
+    if top_p < 1:
+        m = jnp.max(masked, axis=1, keepdims=True)
+        p = jnp.where(masked >= tau, jnp.exp(masked - m), 0.0)  # the top-k set
+        target = top_p * jnp.sum(p, axis=1, keepdims=True)
+        tau = jnp.maximum(tau, _largest_threshold(masked, p, target))
+    if min_p > 0:
+        tau = jnp.maximum(tau, jnp.max(masked, axis=1, keepdims=True) + jnp.log(min_p))
+    return tau
+
+
+def _truncated(hidden, weight, seeds, it, sampled, softcap, num_valid, top_k, top_p, min_p):
+    z, _ = hm.logits(hm.matmul(hidden, weight, (1, 0)), softcap)
+    it2 = it  # [B, 1]
+    l = z * it2
+    ids = lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    eligible = (ids < num_valid) & (z > -jnp.inf)
+    tau = jnp.where(sampled, _threshold(l, eligible, top_k, top_p, min_p), -jnp.inf)
+    support = l >= tau
+    # record the threshold halfway to the largest logit left out: the same support, but a
+    # trainer whose logits round a little differently (another matmul tiling, a full
+    # forward instead of the KV cache) still sees the boundary ids on the same side
+    below = jnp.max(jnp.where(support, -jnp.inf, l), axis=1, keepdims=True)
+    tau = jnp.where(below > -jnp.inf, tau + 0.5 * (below - tau), -jnp.inf)
+    g = _noise(seeds, ids, sampled)
+    tok, _, _, _ = _pick(z, g, it2, eligible & support)
+    hit = ids == tok[:, None]
+    rows = hm.finalize(hm.tile_stats(z, it2, support | hit, hit, False), it2, False)
+    full = hm.finalize(hm.tile_stats(z, it2, None, hit, False), it2, False)
+    return Sample(tok, rows.logp[:, 0], tau[:, 0], full.logp[:, 0] - rows.logp[:, 0])
+
+
+def sample(
     hidden: jax.Array,
     weight: jax.Array,
     key: jax.Array,
     *,
-    temperature,
-    top_p: float,
+    temperature=1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
     softcap: float | None = None,
     num_valid: int | None = None,
+    vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
 ) -> Sample:
-    """Nucleus sampling (Holtzman et al., 2020) from full float32 logits ``[B, V]``.
+    """Draw one token per row from ``softmax(z / temperature)``, optionally truncated.
 
-    Draws from the smallest set of valid ids whose probability under
-    ``softmax(z / temperature)`` reaches ``top_p``, renormalised. This path holds the
-    ``[B, V]`` logits (sorting needs them); ``sample`` is the one without.
+    Args:
+      hidden: ``[B, H]`` final hidden states (bf16 / f32) of the positions to sample from.
+      weight: ``[H, V]`` head weight, same dtype as ``hidden``.
+      key: a JAX PRNG key: two 32-bit seed words per row are drawn from it (see the module
+        docstring for the noise and what a draw depends on).
+      temperature: float ``>= 0``, a Python number or a traced scalar (one compiled
+        function then serves greedy and sampled decoding); 0 means greedy (the arg-max of
+        the logits, the lowest id among ties; no truncation applies).
+      top_k: keep the ``top_k`` most likely ids (ties at the k-th included); 0: off.
+      top_p: keep the smallest most-likely set whose mass reaches ``top_p``; 1: off.
+      min_p: keep ids at least ``min_p`` times as likely as the most likely; 0: off.
+      softcap: soft-cap ``c`` of the head (``z = c tanh(u / c)``) or None.
+      num_valid: only ids ``< num_valid`` are drawn (None: all V).
+      vocab_chunk: columns per tile of the untruncated path.
 
     Returns:
-      ``Sample``; ``logprobs`` are under the full (untruncated) ``softmax(z / temperature)``
-      over all V columns.
+      ``Sample(tokens, logprobs, min_logit, logmass)``, ``[B]`` each (see ``Sample``).
 
     Raises:
-      ValueError: bad shapes, ``temperature <= 0``, ``top_p`` outside ``(0, 1]``.
+      ValueError: bad shapes, ``temperature < 0``, ``num_valid`` outside ``[1, V]``, or
+        ``top_k`` / ``top_p`` / ``min_p`` outside their ranges (the value named).
     """
-    num_valid = _check(hidden, weight, num_valid)
-    if isinstance(temperature, (int, float)) and not temperature > 0:
-        raise ValueError(f"top-p sampling needs temperature > 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    u = lax.dot_general(hidden, weight, (((1,), (0,)), ((), ())),
-                        preferred_element_type=jnp.float32)
-    z = u if softcap is None else softcap * jnp.tanh(u / softcap)
-    l = z / temperature
-    logp_all = jax.nn.log_softmax(l, axis=-1)
-    valid = jnp.arange(l.shape[1]) < num_valid
-    masked = jnp.where(valid, l, -jnp.inf)
-    probs = jax.nn.softmax(masked, axis=-1)
-    order = jnp.argsort(-probs, axis=-1)
-    sorted_p = jnp.take_along_axis(probs, order, axis=-1)
-    before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass of strictly better ids
-    keep_sorted = before < top_p
-    keep = jnp.zeros_like(keep_sorted).at[
-        jnp.arange(l.shape[0])[:, None], order].set(keep_sorted)
-    tok = jax.random.categorical(key, jnp.where(keep, masked, -jnp.inf), axis=-1)
-    tok = tok.astype(jnp.int32)
-    return Sample(tok, jnp.take_along_axis(logp_all, tok[:, None], axis=1)[:, 0])
+    num_valid = _check(hidden, weight, num_valid, temperature, top_k, top_p, min_p)
+    inv_temp, sampled = _inv_temp(temperature)
+    it = jnp.full((hidden.shape[0], 1), inv_temp)
+    seeds = jax.random.bits(key, (hidden.shape[0], 2), jnp.uint32)
+    if top_k or top_p < 1 or min_p > 0:
+        return _truncated(hidden, weight, seeds, it, sampled, softcap, num_valid, top_k,
+                          top_p, min_p)
+    return _chunked(hidden, weight, seeds, it, sampled, softcap, num_valid, vocab_chunk)

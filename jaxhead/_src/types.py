@@ -22,13 +22,22 @@ class HeadOutput(NamedTuple):
 
 
 class Sample(NamedTuple):
-    """Result of a sampling call.
+    """Result of a sampling call (``jaxhead.sample``), ``[B]`` each.
 
     Attributes:
-      tokens: int32 ``[B]`` sampled ids, each ``< num_valid``.
-      logprobs: float32 ``[B]`` ``log p(token)`` under ``softmax(z / tau)`` over all V
-        columns (``tau = 1`` for greedy), as ``jaxhead.token_logprobs`` computes it.
+      tokens: int32 sampled ids, each ``< num_valid``.
+      logprobs: float32 ``log p(token)`` under the distribution the token was drawn from:
+        ``softmax(z / tau)`` (``tau = 1`` for greedy) renormalised over the support
+        ``{v : l_v >= min_logit}``, as ``jaxhead.token_logprobs(..., min_logit=...)``
+        computes it.
+      min_logit: float32 threshold ``tau`` of the support on the tempered logits
+        ``l = z / tau`` (ties included); ``-inf`` when the draw was not truncated.
+      logmass: float32 ``log`` of the untruncated distribution's mass on the support
+        (``<= 0``; 0 when untruncated): ``logprobs + logmass`` is the token's log-prob
+        under the whole softmax.
     """
 
     tokens: jax.Array
     logprobs: jax.Array
+    min_logit: jax.Array
+    logmass: jax.Array

@@ -18,13 +18,13 @@ def is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def check_inputs(hidden, weight, labels, keep, temperature, softcap) -> None:
+def check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit=None) -> None:
     """Raise on shape and dtype errors, naming both shapes or dtypes.
 
     Raises:
       ValueError: shapes that do not agree, or ``softcap <= 0``.
       TypeError: non-float hidden/weight, differing hidden/weight dtypes, non-integer
-        labels, non-bool keep.
+        labels, non-bool keep, non-float min_logit.
     """
     hs, ws, ls = jnp.shape(hidden), jnp.shape(weight), jnp.shape(labels)
     if len(hs) < 1:
@@ -51,9 +51,12 @@ def check_inputs(hidden, weight, labels, keep, temperature, softcap) -> None:
             raise ValueError(f"keep shape {jnp.shape(keep)} != labels shape {ls}")
         if jnp.result_type(keep) != jnp.bool_:
             raise TypeError(f"keep must be bool, got {jnp.result_type(keep)}")
-    ts = jnp.shape(temperature)
-    if ts not in ((), ls):
-        raise ValueError(f"temperature must be a scalar or of labels shape {ls}, got shape {ts}")
+    for name, value in (("temperature", temperature), ("min_logit", min_logit)):
+        shape = None if value is None else jnp.shape(value)
+        if value is not None and shape not in ((), ls):
+            raise ValueError(f"{name} must be a scalar or of labels shape {ls}, got shape {shape}")
+    if min_logit is not None and not jnp.issubdtype(jnp.result_type(min_logit), jnp.floating):
+        raise TypeError(f"min_logit must be floating, got {jnp.result_type(min_logit)}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
 

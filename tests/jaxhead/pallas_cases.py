@@ -61,16 +61,20 @@ def inputs(case: Case):
     return h, w, labels, inv_temp, g, e
 
 
-def head_fn(impl: str, case: Case, config=None, hidden: int = HIDDEN, mode="interpret"):
-    """``head(h, w, labels, inv_temp) -> (logp, entropy)`` of implementation ``impl`` on
-    ``case.n`` rows (padded to its tiles and sliced back by ``api.run_compacted``), planned
-    with ``config`` in Pallas ``mode``."""
-    spec = HeadSpec(case.n, hidden, case.vocab, case.dtype, case.softcap, case.with_entropy)
+def head_fn(impl: str, case: Case, config=None, hidden: int = HIDDEN, mode="interpret",
+            truncated: bool = False):
+    """``head(h, w, labels, inv_temp, min_logit=None) -> (logp, entropy)`` of implementation
+    ``impl`` on ``case.n`` rows (padded to its tiles and sliced back by
+    ``api.run_compacted``), planned with ``config`` in Pallas ``mode``; ``truncated``: the
+    plan reads ``min_logit``."""
+    spec = HeadSpec(case.n, hidden, case.vocab, case.dtype, case.softcap, case.with_entropy,
+                    truncated=truncated)
     with jaxhead.pallas_interpret(mode):
         chosen, made, padded = api.plan(impl, config, spec)
 
-    def head(h, w, labels, inv_temp):
-        return api.run_compacted(chosen, made, padded, h, w, labels, inv_temp)
+    def head(h, w, labels, inv_temp, min_logit=None):
+        ml = jnp.full(labels.shape, -jnp.inf) if min_logit is None else min_logit
+        return api.run_compacted(chosen, made, padded, h, w, labels, inv_temp, ml)
 
     return head
 

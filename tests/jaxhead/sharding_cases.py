@@ -25,7 +25,9 @@ def mesh_2x4():
 
 def head_case() -> dict:
     """Sharded head vs ``jaxhead.token_logprobs`` on one device: values and gradients of
-    ``sum(g * logp) + sum(e * entropy)``, per-token temperatures, soft-cap, uneven keep."""
+    ``sum(g * logp) + sum(e * entropy)``, per-token temperatures, soft-cap, uneven keep, and
+    truncated supports (``min_logit``: the 20th largest tempered logit, every third token
+    untruncated)."""
     mesh = mesh_2x4()
     b, s, h, v = 8, 96, 64, 2048
     hidden, weight, labels = head_inputs(0, b * s, h, v)
@@ -35,7 +37,10 @@ def head_case() -> dict:
     temp = rng.uniform(0.6, 1.4, (b, s)).astype(np.float32)
     g = (rng.standard_normal((b, s)) / keep.sum()).astype(np.float32)
     e = (rng.standard_normal((b, s)) / keep.sum()).astype(np.float32)
-    kw = {"temperature": temp, "softcap": 25.0,
+    z = np.asarray(hidden @ weight, np.float64)
+    l = np.sort(25.0 * np.tanh(z / 25.0) / temp[..., None], axis=-1)
+    min_logit = np.where(np.arange(s) % 3 == 0, -np.inf, (l[..., -20] + l[..., -21]) / 2)
+    kw = {"temperature": temp, "softcap": 25.0, "min_logit": min_logit.astype(np.float32),
           "config": jaxhead.XlaConfig(token_chunk=16, vocab_chunk=192)}
 
     def value_and_grad(head):

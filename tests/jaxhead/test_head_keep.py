@@ -109,3 +109,22 @@ def test_out_of_range_label_under_jit_is_nan_not_silent(data):
     out = jax.jit(lambda y: jaxhead.token_logprobs(hidden, weight, y, **KW))(bad)
     lp = np.asarray(out.logprobs)
     assert np.isnan(lp[3]) and np.isfinite(np.delete(lp, 3)).all()
+
+
+def test_a_zero_bucket_computes_nothing():
+    """The reported case: ``bucket=0`` with nothing kept gives zeros (it raised an internal
+    TypeError); under ``jit`` a kept token that cannot fit a zero bucket is NaN, and eagerly
+    the bucket check names it."""
+    hidden, weight = jnp.ones((1, 4)), jnp.ones((4, 8))
+    labels = jnp.asarray([0])
+    for impl in ("xla", "xla_cpu", "reference"):
+        out = jaxhead.token_logprobs(hidden, weight, labels, jnp.asarray([False]), bucket=0,
+                                     impl=impl)
+        assert float(out.logprobs[0]) == 0.0 and float(out.entropy[0]) == 0.0
+        g = jax.grad(lambda h: jaxhead.token_logprobs(h, weight, labels, jnp.asarray([False]),
+                                                      bucket=0, impl=impl).logprobs.sum())(hidden)
+        assert np.all(np.asarray(g) == 0.0)
+    run = jax.jit(lambda k: jaxhead.token_logprobs(hidden, weight, labels, k, bucket=0).logprobs)
+    assert np.isnan(float(run(jnp.asarray([True]))[0]))
+    with pytest.raises(ValueError, match="bucket=0 is smaller than the 1 kept tokens"):
+        jaxhead.token_logprobs(hidden, weight, labels, jnp.asarray([True]), bucket=0)

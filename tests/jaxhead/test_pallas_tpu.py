@@ -126,7 +126,7 @@ def test_lowers_to_mosaic_at_production_shape(dtype):
 
     def grads(h, w, y, it):
         def loss(h, w):
-            logp, ent = pallas_tpu.chunked_head(cfg, h, w, y, it)
+            logp, ent = pallas_tpu.chunked_head(cfg, h, w, y, it, jnp.full_like(it, -jnp.inf))
             return jnp.sum(logp) + jnp.sum(ent)
 
         return jax.grad(loss, (0, 1))(h, w)

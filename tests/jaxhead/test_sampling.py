@@ -1,5 +1,5 @@
-"""jaxhead.sample: chunked Gumbel-max draws follow the softmax, and their log-probs are
-the head's (``jaxhead.token_logprobs``) to float32 precision."""
+"""jaxhead.sample: draws follow the (truncated) softmax, never a token of probability 0, and
+their log-probs are the head's (``jaxhead.token_logprobs`` with the draw's ``min_logit``)."""
 
 from __future__ import annotations
 
@@ -9,61 +9,167 @@ import numpy as np
 import pytest
 
 import jaxhead
+from jaxhead._src import sampling
 from tests.support.oracle import head_inputs
 
 # one compiled function per static setting, shared by the tests (compiles dominate here)
-_sample = jax.jit(jaxhead.sample, static_argnames=("softcap", "num_valid", "vocab_chunk"))
-_logprobs = jax.jit(lambda h, w, y, t, softcap: jaxhead.token_logprobs(
-    h, w, y, temperature=t, softcap=softcap, config=jaxhead.XlaConfig(vocab_chunk=256)).logprobs,
-    static_argnames="softcap")
+_sample = jax.jit(jaxhead.sample, static_argnames=(
+    "softcap", "num_valid", "vocab_chunk", "top_k", "top_p", "min_p"))
+_head = jax.jit(lambda h, w, y, t, ml, softcap: jaxhead.token_logprobs(
+    h, w, y, temperature=t, softcap=softcap, min_logit=ml,
+    config=jaxhead.XlaConfig(vocab_chunk=256)).logprobs, static_argnames="softcap")
+TRUNCATIONS = [{}, {"top_p": 0.8}, {"top_k": 50}, {"min_p": 0.05},
+               {"top_k": 50, "top_p": 0.9, "min_p": 0.05}]
 
 
-@pytest.mark.parametrize("temperature, softcap", [(1.0, None), (0.7, None), (1.3, 5.0)])
-def test_logprobs_equal_token_logprobs(temperature, softcap):
-    hidden, weight, _ = head_inputs(0, 64, 32, 1000)
-    out = _sample(hidden, weight, jax.random.key(1), temperature=temperature,
-                  softcap=softcap, vocab_chunk=256)
-    ref = _logprobs(hidden, weight, out.tokens, temperature, softcap=softcap)
-    assert out.tokens.dtype == jnp.int32 and out.logprobs.dtype == jnp.float32
-    np.testing.assert_allclose(out.logprobs, ref, atol=1e-5, rtol=0)
-    assert len(np.unique(np.asarray(out.tokens))) > 10  # not a degenerate draw
+def chi_square_ok(counts, p, label) -> None:
+    """A chi-square goodness-of-fit test of ``counts`` against probabilities ``p``.
 
-
-def test_draws_follow_the_softmax_chi_square():
-    # One row repeated: 20,000 draws over 40 ids (3 vocab chunks, a ragged last one).
-    hidden, weight, _ = head_inputs(3, 1, 16, 40)
-    weight = weight * 0.5
-    draws = 20_000
-    rows = jnp.broadcast_to(hidden, (draws, 16))
-    out = jax.jit(lambda h, k: jaxhead.sample(h, weight, k, temperature=0.9,
-                                               vocab_chunk=16))(rows, jax.random.key(7))
-    p = np.asarray(jax.nn.softmax((hidden @ weight)[0] / 0.9), np.float64)
-    counts = np.bincount(np.asarray(out.tokens), minlength=40)
-    expected = p * draws
+    P(chi2 > dof + 5 sqrt(2 dof)) is below 1e-4 for these dof: a wrong sampler (the noise of
+    one chunk reused, the temperature ignored, the wrong support) fails by orders of
+    magnitude."""
+    expected = p * counts.sum()
     big = expected >= 5  # pool the rare ids into one cell
     obs = np.append(counts[big], counts[~big].sum())
     exp = np.append(expected[big], expected[~big].sum())
-    chi2 = ((obs - exp) ** 2 / exp).sum()
-    dof = len(obs) - 1
-    # P(chi2 > dof + 5 sqrt(2 dof)) is below 1e-4 for these dof: a wrong sampler (e.g.
-    # the noise of one chunk reused, or temperature ignored) fails by orders of magnitude.
-    assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)
+    keep = exp > 0
+    chi2 = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = keep.sum() - 1
+    assert chi2 < dof + 5 * np.sqrt(2 * dof), (label, chi2, dof)
+
+
+@pytest.mark.parametrize("truncation", TRUNCATIONS, ids=str)
+@pytest.mark.parametrize("temperature, softcap", [(1.0, None), (0.6, None), (1.3, 5.0)])
+def test_logprobs_equal_token_logprobs_on_the_support(truncation, temperature, softcap):
+    # exact_dot: every float32 matmul tiling gives the same logits, so the sampler's full
+    # [B, V] product and the head's tiles agree to the bit and 2e-6 measures the head
+    hidden, weight, _ = head_inputs(0, 64, 32, 1000, exact_dot=True)
+    out = _sample(hidden, weight, jax.random.key(1), temperature=temperature,
+                  softcap=softcap, vocab_chunk=256, **truncation)
+    ref = _head(hidden, weight, out.tokens, temperature, out.min_logit, softcap=softcap)
+    assert out.tokens.dtype == jnp.int32 and out.logprobs.dtype == jnp.float32
+    np.testing.assert_allclose(out.logprobs, ref, atol=2e-6, rtol=0)
+    assert len(np.unique(np.asarray(out.tokens))) > 10  # not a degenerate draw
+    # the log-prob under the untruncated softmax is logprobs + logmass
+    full = _head(hidden, weight, out.tokens, temperature, None, softcap=softcap)
+    np.testing.assert_allclose(out.logprobs + out.logmass, full, atol=2e-6, rtol=0)
+    truncated = bool(truncation)
+    assert bool(np.all(np.isfinite(np.asarray(out.min_logit)))) == truncated
+    assert np.all(np.asarray(out.logmass) <= 0)
+    assert bool(np.any(np.asarray(out.logmass) < 0)) == truncated
+
+
+@pytest.mark.parametrize("truncation", TRUNCATIONS, ids=str)
+def test_draws_follow_the_truncated_softmax_chi_square(truncation):
+    # One row repeated: 20,000 draws over 120 ids (8 vocab chunks, a ragged last one).
+    hidden, weight, _ = head_inputs(3, 1, 16, 120)
+    weight = weight * 0.5
+    draws = 20_000
+    rows = jnp.broadcast_to(hidden, (draws, 16))
+    t = 0.9
+    out = _sample(rows, weight, jax.random.key(7), temperature=t, vocab_chunk=16, **truncation)
+    l = np.asarray(hidden @ weight, np.float64)[0] / t
+    tau = float(out.min_logit[0])
+    assert np.all(np.asarray(out.min_logit) == tau)  # one row, one support
+    support = l >= tau
+    tokens = np.asarray(out.tokens)
+    assert support[tokens].all(), "a token outside the support was drawn"
+    p = np.where(support, np.exp(l - l.max()), 0.0)
+    chi_square_ok(np.bincount(tokens, minlength=120), p / p.sum(), truncation)
+    if list(truncation) == ["top_k"]:
+        assert support.sum() == 50
+    if list(truncation) == ["top_p"]:  # the nucleus: smallest most-likely set reaching p
+        q = np.exp(l - l.max())
+        q = np.sort(q / q.sum())[::-1]
+        n = support.sum()
+        assert q[:n].sum() >= 0.8 - 1e-6 > q[: n - 1].sum()
+
+
+def test_a_peaked_row_only_ever_draws_its_certain_token():
+    """The reported case: token 0 has probability 1 - 1.5e-39; over 20,000 draws (10 keys x
+    2,000 rows) of the chunked sampler every draw is token 0 with log-prob 0 (a hash noise
+    rounding to 1.0 drew tokens of log-prob -100). The truncated paths get the same check
+    on fewer draws (their bisection costs 32 passes over the row)."""
+    vocab = 151936
+    weight = jnp.zeros((1, vocab), jnp.float32).at[0, 0].set(100.0)
+    for k, rows, kw in [(k, 2000, {}) for k in range(10)] + [(10, 200, {"top_p": 0.9})]:
+        out = _sample(jnp.ones((rows, 1)), weight, jax.random.key(k), temperature=1.0, **kw)
+        assert np.all(np.asarray(out.tokens) == 0), np.unique(np.asarray(out.tokens))
+        assert np.all(np.asarray(out.logprobs) == 0.0)
+
+
+@pytest.mark.parametrize("truncation", TRUNCATIONS, ids=str)
+def test_never_a_token_of_probability_zero(truncation):
+    """Rows with ``-inf`` logits and logits 100 nats below the max (float64 probability
+    < 1e-30): over 10^6 draws at T = 1 and T = 0.3 none is drawn."""
+    vocab = 64
+    rng = np.random.default_rng(0)
+    w = rng.normal(0.0, 1.0, (1, vocab))
+    w[0, ::7] = -np.inf
+    w[0, 3::7] = -100.0
+    weight = jnp.asarray(w, jnp.float32)
+    hidden = jnp.ones((250_000, 1), jnp.float32)
+    z = w[0]
+    for t in (1.0, 0.3):
+        p = np.exp((z - z.max()) / t)
+        impossible = p / p.sum() < 1e-30
+        for k in range(2):
+            out = _sample(hidden, weight, jax.random.key(k), temperature=t, vocab_chunk=16,
+                          **truncation)
+            assert not impossible[np.asarray(out.tokens)].any()
+            assert np.all(np.isfinite(np.asarray(out.logprobs)))
+
+
+def test_the_noise_is_finite_over_its_whole_range():
+    """Every one of the 2^23 values the conversion reads gives a uniform strictly inside
+    (0, 1) and a finite Gumbel value; the extremes are the documented bounds."""
+    k = jnp.arange(1 << 23, dtype=jnp.uint32)
+    low_bits = jnp.uint32(0x1FF)
+    for bits in (k << 9, (k << 9) | low_bits):
+        g = np.asarray(jax.jit(sampling.gumbel_from_bits)(bits))
+        assert np.all(np.isfinite(g))
+        assert np.all(np.diff(g) > 0)  # strictly increasing in k: no two values collide
+        assert -2.82 < g.min() < -2.81 and 16.63 < g.max() < 16.64
+
+
+def test_the_noise_is_uniform_and_independent():
+    """Kolmogorov-Smirnov distance of 2^20 Gumbel values from the Gumbel CDF, and the
+    correlation of neighbouring ids and of rows whose seeds differ in one bit."""
+    seeds = jax.random.bits(jax.random.key(0), (4, 2), jnp.uint32)
+    seeds = seeds.at[1].set(seeds[0] ^ jnp.uint32(1))  # row 1: one bit from row 0
+    ids = jnp.broadcast_to(jnp.arange(1 << 18, dtype=jnp.int32), (4, 1 << 18))
+    g = np.asarray(sampling._gumbel(seeds, ids), np.float64)
+    x = np.sort(g.ravel())
+    cdf = np.exp(-np.exp(-x))
+    ks = np.max(np.abs(cdf - np.arange(1, x.size + 1) / x.size))
+    assert ks < 1.63 / np.sqrt(x.size) * 1.5  # the 1% critical value, with margin
+    u = np.exp(-np.exp(-g))
+    assert abs(np.corrcoef(u[0, :-1], u[0, 1:])[0, 1]) < 0.01
+    assert abs(np.corrcoef(u[0], u[1])[0, 1]) < 0.01
 
 
 def test_invalid_ids_never_drawn_and_greedy_is_argmax():
     hidden, weight, _ = head_inputs(5, 64, 32, 1000)
     # make the largest logits sit in the invalid tail
     weight = weight.at[:, 900:].multiply(4.0)
-    out = _sample(hidden, weight, jax.random.key(0), temperature=2.0, num_valid=900,
-                  vocab_chunk=256)
-    assert int(out.tokens.max()) < 900
+    for kw in ({}, {"top_k": 20}):
+        out = _sample(hidden, weight, jax.random.key(0), temperature=2.0, num_valid=900,
+                      vocab_chunk=256, **kw)
+        assert int(out.tokens.max()) < 900
     greedy = _sample(hidden, weight, jax.random.key(0), temperature=0.0, num_valid=900,
                      vocab_chunk=256)
     logits = np.asarray(hidden @ weight)
     np.testing.assert_array_equal(greedy.tokens, logits[:, :900].argmax(axis=1))
     # the log-prob is under the full distribution (the trainer's), temperature 1
-    ref = _logprobs(hidden, weight, greedy.tokens, 1.0, softcap=None)
-    np.testing.assert_allclose(greedy.logprobs, ref, atol=1e-5)
+    ref = _head(hidden, weight, greedy.tokens, 1.0, None, softcap=None)
+    np.testing.assert_allclose(greedy.logprobs, ref, atol=2e-6)
+
+
+def test_greedy_ties_take_the_lowest_id():
+    weight = jnp.zeros((1, 40), jnp.float32).at[0, jnp.array([7, 23, 31])].set(3.0)
+    out = _sample(jnp.ones((4, 1)), weight, jax.random.key(0), temperature=0.0,
+                  vocab_chunk=16)
+    np.testing.assert_array_equal(out.tokens, 7)
 
 
 def test_greedy_and_sampled_share_one_function():
@@ -75,28 +181,25 @@ def test_greedy_and_sampled_share_one_function():
     assert np.mean(np.asarray(hot.tokens) != np.asarray(greedy.tokens)) > 0.5
 
 
-def test_top_p_draws_only_from_the_nucleus():
-    hidden, weight, _ = head_inputs(8, 4, 16, 50)
-    rows = jnp.repeat(hidden, 1000, axis=0)
-    out = jaxhead.top_p_sample(rows, weight, jax.random.key(2), temperature=1.0, top_p=0.6)
-    p = np.asarray(jax.nn.softmax(hidden @ weight), np.float64)
-    tokens = np.asarray(out.tokens).reshape(4, 1000)
-    for r in range(4):
-        order = np.argsort(-p[r])
-        before = np.cumsum(p[r][order]) - p[r][order]
-        nucleus = set(order[before < 0.6].tolist())
-        assert set(np.unique(tokens[r]).tolist()) <= nucleus
-    ref = jaxhead.token_logprobs(rows, weight, out.tokens).logprobs
-    np.testing.assert_allclose(out.logprobs, ref, atol=1e-5)
+def test_a_draw_does_not_depend_on_the_chunking():
+    hidden, weight, _ = head_inputs(10, 32, 16, 1000)
+    outs = [_sample(hidden, weight, jax.random.key(4), temperature=1.0, vocab_chunk=c)
+            for c in (128, 1000)]
+    np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
 
 
 def test_bad_arguments_raise():
     hidden, weight, _ = head_inputs(9, 4, 8, 20)
+    key = jax.random.key(0)
     with pytest.raises(ValueError, match="num_valid"):
-        jaxhead.sample(hidden, weight, jax.random.key(0), num_valid=21)
+        jaxhead.sample(hidden, weight, key, num_valid=21)
     with pytest.raises(ValueError, match="temperature"):
-        jaxhead.sample(hidden, weight, jax.random.key(0), temperature=-1.0)
-    with pytest.raises(ValueError, match="top_p"):
-        jaxhead.top_p_sample(hidden, weight, jax.random.key(0), temperature=1.0, top_p=0.0)
+        jaxhead.sample(hidden, weight, key, temperature=-1.0)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\] \(1: off\), got 0.0"):
+        jaxhead.sample(hidden, weight, key, top_p=0.0)
+    with pytest.raises(ValueError, match=r"top_k must be an int in \[0, V=20\]"):
+        jaxhead.sample(hidden, weight, key, top_k=21)
+    with pytest.raises(ValueError, match=r"min_p must be in \[0, 1\)"):
+        jaxhead.sample(hidden, weight, key, min_p=1.0)
     with pytest.raises(ValueError, match="hidden"):
-        jaxhead.sample(hidden[:, :4], weight, jax.random.key(0))
+        jaxhead.sample(hidden[:, :4], weight, key)

@@ -108,10 +108,13 @@ def test_vocab_parallel_combination_equals_one_pass():
     def log_z(rows):  # logZ = m / temperature + log s
         return rows.logp, rows.entropy, rows.m * inv_temp + rows.log_s
 
-    per_shard = jax.vmap(lambda w: log_z(xla._forward(plan, hidden, w, labels, inv_temp)),
-                         axis_name="v")
+    untruncated = jnp.full((n,), -jnp.inf)
+    per_shard = jax.vmap(
+        lambda w: log_z(xla._forward(plan, hidden, w, labels, inv_temp, untruncated)),
+        axis_name="v")
     got = jax.jit(per_shard)(w_shards)
-    ref = jax.jit(lambda w: log_z(xla._forward(full, hidden, w, labels, inv_temp)))(weight)
+    ref = jax.jit(lambda w: log_z(xla._forward(full, hidden, w, labels, inv_temp,
+                                               untruncated)))(weight)
     for g, want in zip(got, ref, strict=True):
         for k in range(shards):  # every shard returns the combined values
             np.testing.assert_allclose(g[k], want, rtol=2e-6, atol=2e-6)

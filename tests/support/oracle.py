@@ -43,13 +43,15 @@ def to64(x):
     return None if x is None else np.asarray(x).astype(np.float64)
 
 
-def ref64(hidden, weight, labels, keep=None, *, temperature=1.0, softcap=None):
+def ref64(hidden, weight, labels, keep=None, *, temperature=1.0, softcap=None,
+          min_logit=None):
     """float64 ``(logprobs, entropy)`` of the full-logits reference on the same values."""
     with jax.enable_x64(True):
         out = jaxhead.reference_token_logprobs(
             jnp.asarray(to64(hidden)), jnp.asarray(to64(weight)), jnp.asarray(labels),
             None if keep is None else jnp.asarray(keep),
             temperature=jnp.asarray(to64(temperature)), softcap=softcap,
+            min_logit=None if min_logit is None else jnp.asarray(to64(min_logit)),
         )
         return np.asarray(out.logprobs), np.asarray(out.entropy)
 

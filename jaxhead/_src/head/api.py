@@ -105,14 +105,15 @@ def _resolve_bucket(keep, bucket, num_tokens: int) -> int:
     return min(bucket, num_tokens)
 
 
-def run_compacted(head, made, padded: int, h, weight, y, inv_temp, keep=None):
+def run_compacted(head, made, padded: int, h, weight, y, inv_temp, min_logit, keep=None):
     """Compact the kept rows into ``padded`` slots, run ``head(made, ...)``, expand back.
 
     Args:
       head: an implementation (``HeadImplementation``) and ``made`` its plan for
         ``padded`` rows.
       h: ``[N, H]``; weight: ``[H, V]`` (or a vocab shard); y: int32 ``[N]``;
-      inv_temp: float32 ``[N]``; keep: bool ``[N]`` or None (every row, in order).
+      inv_temp, min_logit: float32 ``[N]``; keep: bool ``[N]`` or None (every row, in
+      order).
 
     Returns:
       float32 ``(logp, entropy)``, ``[N]`` each: 0 where not kept, NaN for kept rows
@@ -128,17 +129,28 @@ def run_compacted(head, made, padded: int, h, weight, y, inv_temp, keep=None):
     if keep is None:  # every row, in order: pad to the implementation's row multiple
         pad = [(0, padded - num_tokens)]
         logp, ent = head(made, jnp.pad(h, pad + [(0, 0)]), weight, jnp.pad(y, pad),
-                         jnp.pad(inv_temp, pad, constant_values=1.0))
+                         jnp.pad(inv_temp, pad, constant_values=1.0),
+                         jnp.pad(min_logit, pad, constant_values=-jnp.inf))
         return logp[:num_tokens], ent[:num_tokens]
     idx, pos = compaction.kept_indices(keep, padded)
-    logp, ent = head(made, compaction.compact(h, idx, pos), weight,
-                     compaction.gather_rows(y, idx, 0), compaction.gather_rows(inv_temp, idx, 1.0))
+    gather = compaction.gather_rows
+    logp, ent = head(made, compaction.compact(h, idx, pos), weight, gather(y, idx, 0),
+                     gather(inv_temp, idx, 1.0), gather(min_logit, idx, -jnp.inf))
     logp, ent = compaction.expand(logp, idx, pos), compaction.expand(ent, idx, pos)
     if padded < num_tokens:
         lost = compaction.overflow_mask(keep, padded)
         logp = jnp.where(lost, jnp.nan, logp)
         ent = jnp.where(lost, jnp.nan, ent)
     return logp, ent
+
+
+def row_inputs(temperature, min_logit, batch_shape):
+    """float32 ``(1 / temperature, min_logit)``, flat ``[N]`` each, without gradients
+    (``min_logit`` None: ``-inf``)."""
+    stop = jax.lax.stop_gradient
+    inv_temp = 1.0 / stop(jnp.asarray(temperature, jnp.float32))
+    ml = -jnp.inf if min_logit is None else stop(jnp.asarray(min_logit, jnp.float32))
+    return tuple(jnp.broadcast_to(x, batch_shape).reshape(-1) for x in (inv_temp, ml))
 
 
 def token_logprobs(
@@ -153,6 +165,7 @@ def token_logprobs(
     bucket: int | None = None,
     impl: Impl | Literal["auto"] = "auto",
     config=None,
+    min_logit=None,
 ) -> HeadOutput:
     """float32 ``log p(label)`` and entropy of the kept tokens, without ``[N, V]`` logits.
 
@@ -189,6 +202,10 @@ def token_logprobs(
       config: the implementation's settings: ``XlaConfig``, ``XlaCpuConfig``,
         ``PallasTpuConfig`` or ``PallasTritonConfig`` (a config also names its
         implementation under ``impl="auto"``); None: the defaults.
+      min_logit: None, or a float scalar / ``[...]``: per token, the threshold of a
+        truncated support on the tempered logits ``l = z / temperature`` (ties included;
+        ``-inf``: untruncated), e.g. ``Sample.min_logit`` of the draw. Treated as data: no
+        gradient flows to it; computed in the same chunked scan, never ``[N, V]``.
 
     Returns:
       ``HeadOutput(logprobs, entropy)``, float32 ``[...]``; exactly 0 where ``keep`` is
@@ -210,20 +227,19 @@ def token_logprobs(
     (and, for the bucket case, ``entropy = NaN``) so that the loss turns NaN rather than
     silently wrong; a temperature <= 0 gives inf/NaN the same way.
     """
-    validation.check_inputs(hidden, weight, labels, keep, temperature, softcap)
+    validation.check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit)
     hidden_size, vocab_size = weight.shape
     validation.check_values(labels, keep, temperature, vocab_size)
     batch_shape = labels.shape
     num_tokens = math.prod(batch_shape)
     rows = num_tokens if keep is None else _resolve_bucket(keep, bucket, num_tokens)
     spec = HeadSpec(rows, hidden_size, vocab_size, jnp.dtype(hidden.dtype).name, softcap,
-                    with_entropy)
+                    with_entropy, truncated=min_logit is not None)
     head, made, padded = plan(impl, config, spec)
-    temp = jax.lax.stop_gradient(jnp.asarray(temperature, jnp.float32))
-    inv_temp = jnp.broadcast_to(1.0 / temp, batch_shape).reshape(num_tokens)
     logp, ent = run_compacted(
         head, made, padded, hidden.reshape(num_tokens, hidden_size), weight,
-        labels.reshape(num_tokens).astype(jnp.int32), inv_temp,
+        labels.reshape(num_tokens).astype(jnp.int32), *row_inputs(temperature, min_logit,
+                                                                   batch_shape),
         None if keep is None else keep.reshape(num_tokens),
     )
     return HeadOutput(logp.reshape(batch_shape),

@@ -4,8 +4,9 @@
 on (``differentiable``).
 
 An implementation works on *compacted* rows: ``h [B, H]`` (padding rows zero),
-``w [H, V_local]``, ``labels`` int32 ``[B]``, ``inv_temp`` float32 ``[B]``; ``B`` is the
-padded row count its ``plan`` returned. It returns float32 ``(logp, entropy)`` ``[B]``,
+``w [H, V_local]``, ``labels`` int32 ``[B]``, ``inv_temp`` float32 ``[B]``, ``min_logit``
+float32 ``[B]`` (read only when ``spec.truncated``); ``B`` is the padded row count its
+``plan`` returned. It returns float32 ``(logp, entropy)`` ``[B]``,
 differentiable with respect to ``h`` and ``w``.
 """
 
@@ -41,6 +42,8 @@ class HeadSpec:
       with_entropy: compute the entropy (and take its cotangent).
       vocab_axis: mesh axis the vocabulary is split over (inside ``shard_map``), or None.
       vocab_shards: devices of ``vocab_axis``: ``w`` holds ``V / vocab_shards`` columns.
+      truncated: each row's distribution is restricted to ``{v : l_v >= min_logit}`` (and
+        its label); the implementation reads the ``min_logit`` row input.
     """
 
     rows: int
@@ -51,6 +54,7 @@ class HeadSpec:
     with_entropy: bool
     vocab_axis: str | None = None
     vocab_shards: int = 1
+    truncated: bool = False
 
     @property
     def local_vocab(self) -> int:
@@ -76,7 +80,7 @@ class HeadImplementation(Protocol):
         """
 
     def __call__(self, plan: Hashable, h: jax.Array, w: jax.Array, labels: jax.Array,
-                 inv_temp: jax.Array) -> tuple[jax.Array, jax.Array]:
+                 inv_temp: jax.Array, min_logit: jax.Array) -> tuple[jax.Array, jax.Array]:
         """float32 ``(logp, entropy)`` ``[B]`` of the compacted rows."""
 
 
@@ -87,7 +91,7 @@ class Implementation:
     Attributes:
       config_type: the settings dataclass.
       make_plan: ``(config or None, spec) -> (plan, padded rows)``.
-      head: ``(plan, h, w, labels, inv_temp) -> (logp, entropy)``.
+      head: ``(plan, h, w, labels, inv_temp, min_logit) -> (logp, entropy)``.
     """
 
     config_type: type
@@ -97,8 +101,8 @@ class Implementation:
     def plan(self, config, spec: HeadSpec) -> tuple[Hashable, int]:
         return self.make_plan(config, spec)
 
-    def __call__(self, plan, h, w, labels, inv_temp):
-        return self.head(plan, h, w, labels, inv_temp)
+    def __call__(self, plan, h, w, labels, inv_temp, min_logit):
+        return self.head(plan, h, w, labels, inv_temp, min_logit)
 
 
 Forward = Callable[..., hm.Rows]
@@ -106,37 +110,40 @@ Backward = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 def differentiable(forward: Forward, backward: Backward):
-    """A head function ``(plan, h, w, labels, inv_temp) -> (logp, entropy)`` from a
-    ``forward(plan, h, w, labels, inv_temp) -> math.Rows`` and a
-    ``backward(plan, h, w, labels, inv_temp, m, log_s, entropy, g, e) -> (dh, dw)`` that
-    recomputes the logit tiles. The plan must have a ``spec`` (``HeadSpec``).
+    """A head function ``(plan, h, w, labels, inv_temp, min_logit) -> (logp, entropy)`` from
+    a ``forward(plan, h, w, labels, inv_temp, min_logit) -> math.Rows`` and a
+    ``backward(plan, h, w, labels, inv_temp, min_logit, m, log_s, entropy, g, e) ->
+    (dh, dw)`` that recomputes the logit tiles. The plan must have a ``spec``
+    (``HeadSpec``).
 
     What it adds, once for every implementation: the ``custom_vjp`` (residuals: the inputs
     and three float32 ``[B]`` vectors, nothing vocabulary-sized but ``w``), the label rule
     (``logp = NaN`` where a label is outside ``[0, V)``, never a silently wrong number), the
-    dtypes (int32 labels, float32 ``1 / temperature`` with no gradient).
+    dtypes (int32 labels; float32 ``1 / temperature`` and ``min_logit``, with no gradient:
+    they are data, not parameters).
     """
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-    def head(plan, h, w, labels, inv_temp):
-        return head_fwd(plan, h, w, labels, inv_temp)[0]
+    def head(plan, h, w, labels, inv_temp, min_logit):
+        return head_fwd(plan, h, w, labels, inv_temp, min_logit)[0]
 
-    def head_fwd(plan, h, w, labels, inv_temp):
-        rows = forward(plan, h, w, labels, inv_temp)
+    def head_fwd(plan, h, w, labels, inv_temp, min_logit):
+        rows = forward(plan, h, w, labels, inv_temp, min_logit)
         ok = (labels >= 0) & (labels < plan.spec.vocab_size)
         logp = jnp.where(ok, rows.logp, jnp.nan)
-        return (logp, rows.entropy), (h, w, labels, inv_temp, rows.m, rows.log_s,
+        return (logp, rows.entropy), (h, w, labels, inv_temp, min_logit, rows.m, rows.log_s,
                                       rows.entropy)
 
     def head_bwd(plan, res, cts):
         g, e = cts
         dh, dw = backward(plan, *res, g.astype(jnp.float32), e.astype(jnp.float32))
-        return dh, dw, None, None
+        return dh, dw, None, None, None
 
     head.defvjp(head_fwd, head_bwd)
 
-    def call(plan, h, w, labels, inv_temp):
-        return head(plan, h, w, labels.astype(jnp.int32),
-                    jax.lax.stop_gradient(inv_temp.astype(jnp.float32)))
+    def call(plan, h, w, labels, inv_temp, min_logit):
+        stop = jax.lax.stop_gradient
+        return head(plan, h, w, labels.astype(jnp.int32), stop(inv_temp.astype(jnp.float32)),
+                    stop(min_logit.astype(jnp.float32)))
 
     return call

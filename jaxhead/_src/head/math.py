@@ -98,20 +98,41 @@ def _live(z, valid):
     return live if valid is None else live & valid
 
 
-def tile_stats(z, it, valid, hit, with_entropy: bool) -> Stats:
-    """``Stats`` of one tile ``z [T, C]`` (``it [T, 1]``; ``valid`` bool broadcasting to the
-    tile or None: every column; ``hit`` bool ``[T, C]``: the label column)."""
+def support(z, it, min_logit, hit, valid=None):
+    """The columns of a tile that are in the distribution: ``valid`` (None: all) and, when
+    ``min_logit`` (``[T, 1]``) is given, in the truncated support ``{l >= min_logit}`` with
+    ``l = z * it``, the label column always included (so that a token sampled from the
+    support is scored there even when the trainer's logits round it just below the
+    threshold). Returns None when every column is in."""
+    if min_logit is None:
+        return valid
+    inside = (z * it >= min_logit) | hit
+    return inside if valid is None else inside & valid
+
+
+def tile_exp(z, it, valid):
+    """``(m, d, e, live)`` of one tile: the max ``m`` ``[T, 1]`` of ``z`` over its live
+    columns (``valid`` and not ``-inf``), ``d = (z - m) * it`` and ``e = exp(d)``, both
+    ``-inf`` / 0 on dead columns."""
     live = _live(z, valid)
     m = jnp.max(jnp.where(live, z, -jnp.inf), axis=-1, keepdims=True)
     d = jnp.where(live, (z - m) * it, -jnp.inf)
-    e = jnp.exp(d)
+    return m, d, jnp.exp(d), live
+
+
+def tile_stats(z, it, valid, hit, with_entropy: bool, terms=None) -> Stats:
+    """``Stats`` of one tile ``z [T, C]`` (``it [T, 1]``; ``valid`` bool broadcasting to the
+    tile or None: every column; ``hit`` bool ``[T, C]``: the label column, or None).
+    ``terms``: ``tile_exp(z, it, valid)`` when the caller has it already."""
+    m, d, e, live = tile_exp(z, it, valid) if terms is None else terms
     at_max = live & (z == m)
     ties = jnp.sum(at_max.astype(jnp.float32), axis=-1, keepdims=True)
     rest = jnp.sum(jnp.where(at_max, 0.0, e), axis=-1, keepdims=True)
     t = jnp.zeros_like(m)
     if with_entropy:
         t = jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=-1, keepdims=True)
-    zy = jnp.sum(jnp.where(hit, z, 0.0), axis=-1, keepdims=True)
+    zy = jnp.zeros_like(m) if hit is None else jnp.sum(jnp.where(hit, z, 0.0), axis=-1,
+                                                         keepdims=True)
     return Stats(m, rest + (ties - 1.0), t, zy)
 
 
@@ -169,8 +190,9 @@ def dlogits(z, th, it, m, log_s, ent, g, e, valid, hit, with_entropy: bool) -> j
     ``dl_v = g (onehot_v - p_v) - e p_v (log p_v + entropy)``, then through the temperature
     and the soft-cap (``th = tanh(u / c)`` or None): ``du = dl * it * (1 - th^2)``. Per-row
     ``[T, 1]``: ``it``, ``m``, ``log_s``, ``ent`` (forward results), ``g``, ``e``. Exactly 0
-    on columns that are not ``valid`` and on ``-inf`` logits (except the label's own
-    ``g`` term).
+    on columns that are not ``valid``, on ``-inf`` logits (except the label's own ``g``
+    term), and on rows whose cotangents are both 0 (padding rows: whatever their logits,
+    e.g. ``0 * -inf`` of a zero row against a ``-inf`` weight, they add nothing to ``dw``).
     """
     live = _live(z, valid)
     logp = jnp.where(live, (z - m) * it - log_s, -jnp.inf)
@@ -181,4 +203,5 @@ def dlogits(z, th, it, m, log_s, ent, g, e, valid, hit, with_entropy: bool) -> j
     du = dl * it
     if th is not None:
         du = du * (1.0 - th * th)
-    return du if valid is None else jnp.where(valid, du, 0.0)
+    read = (g != 0) | (e != 0)
+    return jnp.where(read if valid is None else read & valid, du, 0.0)

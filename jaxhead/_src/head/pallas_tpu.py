@@ -217,9 +217,10 @@ def _tile_masks(j, shape, width: int, y, masked: bool):
 
 def _forward_kernel(h_ref, w_ref, y_ref, it_ref, *refs, plan: TpuPlan, vocab: int,
                     n_vocab_tiles: int):
-    *out_refs, m_sc, r_sc, t_sc, zy_sc = refs
-    scratch = (m_sc, r_sc, t_sc, zy_sc)
     spec = plan.spec
+    ml_ref = refs[0] if spec.truncated else None
+    *out_refs, m_sc, r_sc, t_sc, zy_sc = refs[1:] if spec.truncated else refs
+    scratch = (m_sc, r_sc, t_sc, zy_sc)
     j = pl.program_id(1)
 
     @pl.when(j == 0)
@@ -230,8 +231,10 @@ def _forward_kernel(h_ref, w_ref, y_ref, it_ref, *refs, plan: TpuPlan, vocab: in
     def step(masked: bool):
         z, _ = hm.logits(hm.matmul(h_ref[...], w_ref[...], (1, 0)), spec.softcap)
         valid, hit = _tile_masks(j, z.shape, vocab, y_ref[...], masked)
-        stats = hm.update(hm.Stats(*(ref[...] for ref in scratch)), z, it_ref[...], valid,
-                          hit, spec.with_entropy)
+        it = it_ref[...]
+        valid = hm.support(z, it, None if ml_ref is None else ml_ref[...], hit, valid)
+        stats = hm.update(hm.Stats(*(ref[...] for ref in scratch)), z, it, valid, hit,
+                          spec.with_entropy)
         for ref, value in zip(scratch, stats, strict=True):
             ref[...] = value
 
@@ -246,12 +249,14 @@ def _forward_kernel(h_ref, w_ref, y_ref, it_ref, *refs, plan: TpuPlan, vocab: in
 
 
 def _du_tile(plan: TpuPlan, j, h, w, rows, vocab: int, masked: bool):
-    """float32 ``du [T, C]`` of vocab tile ``j``; ``rows``: ``(y, it, m, log_s, ent, g, e)``
-    ``[T, 1]`` each."""
-    y, *per_row = rows
+    """float32 ``du [T, C]`` of vocab tile ``j``; ``rows``: ``(y, it, [min_logit,] m, log_s,
+    ent, g, e)`` ``[T, 1]`` each (``min_logit`` only in a truncated call)."""
+    y, it, *rest = rows
+    ml = rest.pop(0) if plan.spec.truncated else None
     z, th = hm.logits(hm.matmul(h, w, (1, 0)), plan.spec.softcap)
     valid, hit = _tile_masks(j, z.shape, vocab, y, masked)
-    return hm.dlogits(z, th, *per_row, valid, hit, plan.spec.with_entropy)
+    valid = hm.support(z, it, ml, hit, valid)
+    return hm.dlogits(z, th, it, *rest, valid, hit, plan.spec.with_entropy)
 
 
 def _dh_kernel(h_ref, w_ref, *refs, plan: TpuPlan, vocab: int, n_vocab_tiles: int):
@@ -327,7 +332,12 @@ def _call(kernel, plan: TpuPlan, grid, in_specs, out_specs, out_shape, scratch, 
     )
 
 
-def _forward(plan: TpuPlan, h, w, labels, inv_temp) -> hm.Rows:
+def _row_inputs(plan: TpuPlan, *rows):
+    """The per-row kernel inputs ``[B, 1]``, ``min_logit`` (the third) only when truncated."""
+    return tuple(x[:, None] for i, x in enumerate(rows) if i != 2 or plan.spec.truncated)
+
+
+def _forward(plan: TpuPlan, h, w, labels, inv_temp, min_logit) -> hm.Rows:
     (rows, hidden), vocab = h.shape, w.shape[1]
     t, c = plan.block_tokens, plan.block_vocab
     nt, nv = rows // t, pl.cdiv(vocab, c)
@@ -340,20 +350,21 @@ def _forward(plan: TpuPlan, h, w, labels, inv_temp) -> hm.Rows:
         transcendentals=rows * vocab * (2 if plan.spec.softcap else 1),
         bytes_accessed=rows * hidden * b + nt * hidden * vocab * b + 24 * rows,
     )
+    rows = _row_inputs(plan, labels, inv_temp, min_logit)
     out = _call(
         kernel, plan, (nt, nv),
         [pl.BlockSpec((t, hidden), lambda i, j: (i, 0)),
-         pl.BlockSpec((hidden, c), lambda i, j: (0, j)), row_spec, row_spec],
+         pl.BlockSpec((hidden, c), lambda i, j: (0, j))] + [row_spec] * len(rows),
         [row_spec] * len(hm.Rows._fields), [row_out] * len(hm.Rows._fields),
         [pltpu.VMEM((t, 1), jnp.float32) for _ in hm.Stats._fields],
         cost,
-    )(h, w, labels[:, None], inv_temp[:, None])
+    )(h, w, *rows)
     return hm.Rows(*(x[:, 0] for x in out))
 
 
-def _backward(plan: TpuPlan, h, w, labels, inv_temp, m, log_s, ent, g, e):
+def _backward(plan: TpuPlan, h, w, labels, inv_temp, min_logit, m, log_s, ent, g, e):
     """``(dh, dW)`` in the input dtype."""
-    rows = tuple(x[:, None] for x in (labels, inv_temp, m, log_s, ent, g, e))
+    rows = _row_inputs(plan, labels, inv_temp, min_logit, m, log_s, ent, g, e)
     (n, hidden), vocab = h.shape, w.shape[1]
     t, c = plan.block_tokens, plan.block_vocab
     nt, nv = n // t, pl.cdiv(vocab, c)

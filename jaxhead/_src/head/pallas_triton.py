@@ -208,9 +208,11 @@ def _masks(cols, width: int, block_vocab: int, y):
     return valid, cols[None, :] == y
 
 
-def _forward_kernel(h_ref, w_ref, y_ref, it_ref, m_ref, r_ref, t_ref, zy_ref, *,
-                    plan: TritonPlan, hidden: int, vocab: int, tiles_per_split: int):
+def _forward_kernel(h_ref, w_ref, y_ref, it_ref, *refs, plan: TritonPlan, hidden: int,
+                    vocab: int, tiles_per_split: int):
     blocks, spec = plan.blocks, plan.spec
+    ml = refs[0][...][:, None] if spec.truncated else None
+    out_refs = refs[1:] if spec.truncated else refs
     c = blocks.block_vocab
     y = y_ref[...][:, None]
     it = it_ref[...][:, None]
@@ -221,10 +223,11 @@ def _forward_kernel(h_ref, w_ref, y_ref, it_ref, m_ref, r_ref, t_ref, zy_ref, *,
         u, cols = _logits_tile(h_ref, w_ref, j * c, hidden, vocab, blocks)
         z, _ = hm.logits(u, spec.softcap)
         valid, hit = _masks(cols, vocab, c, y)
+        valid = hm.support(z, it, ml, hit, valid)
         return hm.update(hm.Stats(*stats), z, it, valid, hit, spec.with_entropy)
 
     stats = lax.fori_loop(first, last, body, hm.init_stats((blocks.block_tokens, 1)))
-    for ref, value in zip((m_ref, r_ref, t_ref, zy_ref), stats, strict=True):
+    for ref, value in zip(out_refs, stats, strict=True):
         ref[...] = value.reshape(blocks.block_tokens)
 
 
@@ -233,11 +236,13 @@ def _du_kernel(h_ref, w_ref, y_ref, *refs, plan: TritonPlan, hidden: int, width:
     blocks = plan.blocks
     c = blocks.block_vocab
     y = y_ref[...][:, None]
-    per_row = tuple(r[...][:, None] for r in row_refs)  # it, m, log_s, ent, g, e
+    it, *rest = (r[...][:, None] for r in row_refs)  # it, [min_logit], m, log_s, ent, g, e
+    ml = rest.pop(0) if plan.spec.truncated else None
     u, cols = _logits_tile(h_ref, w_ref, pl.program_id(1) * c, hidden, width, blocks)
     z, th = hm.logits(u, plan.spec.softcap)
     valid, hit = _masks(cols, width, c, y)
-    du = hm.dlogits(z, th, *per_row, valid, hit, plan.spec.with_entropy)
+    valid = hm.support(z, it, ml, hit, valid)
+    du = hm.dlogits(z, th, it, *rest, valid, hit, plan.spec.with_entropy)
     du_ref[...] = du.astype(du_ref.dtype)
 
 
@@ -253,7 +258,7 @@ def _params(plan: TritonPlan):
     }
 
 
-def _forward(plan: TritonPlan, h, w, labels, inv_temp) -> hm.Rows:
+def _forward(plan: TritonPlan, h, w, labels, inv_temp, min_logit) -> hm.Rows:
     (rows, hidden), vocab = h.shape, w.shape[1]
     blocks = plan.blocks
     t, splits = blocks.block_tokens, blocks.vocab_splits
@@ -264,20 +269,19 @@ def _forward(plan: TritonPlan, h, w, labels, inv_temp) -> hm.Rows:
     )
     row_in = pl.BlockSpec((t,), lambda i, s: (i,))
     part = pl.BlockSpec((None, t), lambda i, s: (s, i))
+    per_row = (labels, inv_temp) + ((min_logit,) if plan.spec.truncated else ())
     partials = pl.pallas_call(
         kernel,
         grid=(rows // t, splits),
         in_specs=[
             pl.BlockSpec((t, hidden), lambda i, s: (i, 0)),
             pl.BlockSpec((hidden, vocab), lambda i, s: (0, 0)),
-            row_in,
-            row_in,
-        ],
+        ] + [row_in] * len(per_row),
         out_specs=[part] * 4,
         out_shape=[jax.ShapeDtypeStruct((splits, rows), jnp.float32)] * 4,
         name="jaxhead_head_forward",
         **_params(plan),
-    )(h, w, labels, inv_temp)
+    )(h, w, *per_row)
     with_entropy = plan.spec.with_entropy
     stats = hm.combine(hm.Stats(*partials), inv_temp[None], with_entropy,
                        lambda x: x.max(axis=0), lambda x: x.sum(axis=0))
@@ -286,7 +290,8 @@ def _forward(plan: TritonPlan, h, w, labels, inv_temp) -> hm.Rows:
 
 def _du_chunk(plan: TritonPlan, h, w_c, rows):
     """``du [B, width]`` in the input dtype for the columns of ``w_c [H, width]``;
-    ``rows = (labels relative to the chunk, inv_temp, m, log_s, entropy, g, e)``, ``[B]``."""
+    ``rows = (labels relative to the chunk, inv_temp, [min_logit,] m, log_s, entropy, g,
+    e)``, ``[B]`` each."""
     (n, hidden), width = h.shape, w_c.shape[1]
     t, c = plan.blocks.block_tokens, plan.blocks.block_vocab
     nc = pl.cdiv(width, c)
@@ -306,12 +311,12 @@ def _du_chunk(plan: TritonPlan, h, w_c, rows):
     return du if nc * c == width else du[:, :width]
 
 
-def _backward(plan: TritonPlan, h, w, labels, inv_temp, m, log_s, ent, g, e):
+def _backward(plan: TritonPlan, h, w, labels, inv_temp, min_logit, m, log_s, ent, g, e):
     """``(dh, dW)`` in the input dtype."""
     vocab = w.shape[1]
     chunk = plan.blocks.backward_vocab_chunk
     n_full, tail = divmod(vocab, chunk)
-    rows = (inv_temp, m, log_s, ent, g, e)
+    rows = (inv_temp,) + ((min_logit,) if plan.spec.truncated else ()) + (m, log_s, ent, g, e)
 
     def step(carry, w_c, off):
         dh, dw = carry

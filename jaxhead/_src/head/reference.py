@@ -22,12 +22,14 @@ def reference_token_logprobs(
     temperature=1.0,
     softcap: float | None = None,
     with_entropy: bool = True,
+    min_logit=None,
 ) -> HeadOutput:
     """Log-probs and entropy from the full ``[..., V]`` logits (what plain JAX code does).
 
     Logits are ``hidden @ weight`` accumulated in float32 (float64 when the inputs are
     float64, for the oracle), soft-capped (``c * tanh(u / c)``), divided by the
-    temperature, then ``log_softmax``. Same contract as ``jaxhead.token_logprobs`` (skipped
+    temperature, restricted to ``{l >= min_logit}`` and the label when ``min_logit`` is
+    given, then ``log_softmax``. Same contract as ``jaxhead.token_logprobs`` (skipped
     positions give 0 with zero gradient), but it holds the whole ``[N, V]`` logits and
     their gradient: memory O(N V).
 
@@ -35,6 +37,8 @@ def reference_token_logprobs(
       hidden: ``[..., H]``; weight: ``[H, V]``; labels: int ``[...]``; keep: bool ``[...]``.
       temperature: scalar or ``[...]``, > 0. softcap: float > 0 or None.
       with_entropy: also return the entropy.
+      min_logit: None, or a float scalar / ``[...]`` threshold on the tempered logits (as
+        ``jaxhead.token_logprobs``).
 
     Returns:
       ``HeadOutput`` with float32 (float64 for float64 inputs) ``[...]`` arrays.
@@ -42,7 +46,7 @@ def reference_token_logprobs(
     Raises:
       ValueError / TypeError: as ``jaxhead.token_logprobs``.
     """
-    validation.check_inputs(hidden, weight, labels, keep, temperature, softcap)
+    validation.check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit)
     validation.check_values(labels, keep, temperature, weight.shape[1])
     dtype = jnp.promote_types(jnp.float32, hidden.dtype)
     if keep is not None:
@@ -53,10 +57,16 @@ def reference_token_logprobs(
     )
     z = u if softcap is None else softcap * jnp.tanh(u / softcap)
     temperature = jax.lax.stop_gradient(jnp.asarray(temperature, dtype))
-    z = z / (temperature[..., None] if temperature.ndim else temperature)
+    z = z * (1.0 / (temperature[..., None] if temperature.ndim else temperature))
+    if min_logit is not None:  # the truncated support, the label always in
+        hit = jnp.arange(z.shape[-1]) == labels[..., None]
+        inside = (z >= jnp.asarray(min_logit, dtype)[..., None]) | hit
+        z = jnp.where(inside, z, -jnp.inf)
     logp_all = jax.nn.log_softmax(z, axis=-1)
     logp = jnp.take_along_axis(logp_all, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1) if with_entropy else None
+    p = jnp.exp(logp_all)  # 0 log 0 = 0, with a zero (not NaN) gradient
+    plogp = jnp.where(p > 0, p * jnp.where(p > 0, logp_all, 0.0), 0.0)
+    ent = -jnp.sum(plogp, axis=-1) if with_entropy else None
     if keep is not None:
         logp = jnp.where(keep, logp, 0.0)
         ent = None if ent is None else jnp.where(keep, ent, 0.0)
@@ -73,10 +83,11 @@ class _Plan:
     spec: HeadSpec
 
 
-def _rows_head(plan: _Plan, h, w, labels, inv_temp):
+def _rows_head(plan: _Plan, h, w, labels, inv_temp, min_logit):
     """Full float32 logits of the compacted rows, plain autodiff."""
     out = reference_token_logprobs(h, w, labels, temperature=1.0 / inv_temp,
-                                   softcap=plan.spec.softcap, with_entropy=plan.spec.with_entropy)
+                                   softcap=plan.spec.softcap, with_entropy=plan.spec.with_entropy,
+                                   min_logit=min_logit if plan.spec.truncated else None)
     ent = out.entropy if out.entropy is not None else jnp.zeros_like(out.logprobs)
     ok = (labels >= 0) & (labels < plan.spec.vocab_size)
     return jnp.where(ok, out.logprobs, jnp.nan), ent

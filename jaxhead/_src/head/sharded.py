@@ -130,6 +130,7 @@ def sharded_token_logprobs(
     with_entropy: bool = True,
     impl: api.Impl | Literal["auto"] = "auto",
     config=None,
+    min_logit=None,
 ) -> HeadOutput:
     """``jaxhead.token_logprobs`` with the tokens split over mesh axes, compacted per shard.
 
@@ -157,7 +158,8 @@ def sharded_token_logprobs(
       bucket: static number of slots per token shard (``bucket_for_shards`` on the host).
         None: with a concrete ``keep``, chosen here by ``bucket_for_shards``; with a traced
         one, the shard's token count (correct, no saving).
-      temperature, softcap, with_entropy, impl, config: as ``jaxhead.token_logprobs``
+      temperature, softcap, with_entropy, impl, config, min_logit: as
+        ``jaxhead.token_logprobs``
         (with ``vocab_axis``, an explicit kernel ``impl`` raises ``KernelUnsupported``).
 
     Returns:
@@ -173,7 +175,7 @@ def sharded_token_logprobs(
         smaller than a shard's kept count. No mesh given or set.
       TypeError: as ``jaxhead.token_logprobs``.
     """
-    validation.check_inputs(hidden, weight, labels, keep, temperature, softcap)
+    validation.check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit)
     if _fully_known(labels, keep, temperature):
         validation.check_values(labels, keep, temperature, weight.shape[1])
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
@@ -204,21 +206,21 @@ def sharded_token_logprobs(
     rows = tokens if keep is None else min(tokens if bucket is None else bucket, tokens)
     n_vocab = 1 if vocab_axis is None else _axis_size(mesh, (vocab_axis,))
     spec = HeadSpec(rows, weight.shape[0], weight.shape[1], jnp.dtype(hidden.dtype).name,
-                    softcap, with_entropy, vocab_axis, n_vocab)
+                    softcap, with_entropy, vocab_axis, n_vocab, min_logit is not None)
     head, made, padded = api.plan(impl, config, spec)
 
-    temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), labels.shape)
+    per_row = [x.reshape(labels.shape) for x in api.row_inputs(temperature, min_logit,
+                                                                labels.shape)]
     tok = P(token_axes or None)
-    args = [hidden, weight, labels, temp] + ([] if keep is None else [keep])
-    specs = [tok, P(None, vocab_axis), tok, tok] + ([] if keep is None else [tok])
+    args = [hidden, weight, labels, *per_row] + ([] if keep is None else [keep])
+    specs = [tok, P(None, vocab_axis), tok, tok, tok] + ([] if keep is None else [tok])
 
-    def body(h, w, y, t, k=None):
+    def body(h, w, y, inv_temp, min_logit, k=None):
         w = jax.lax.pcast(w, token_axes, to="varying") if token_axes else w
         n = math.prod(y.shape)
-        inv_temp = jax.lax.stop_gradient(1.0 / t).reshape(n)
         logp, ent = api.run_compacted(
             head, made, padded, h.reshape(n, h.shape[-1]), w, y.reshape(n).astype(jnp.int32),
-            inv_temp, None if k is None else k.reshape(n),
+            inv_temp.reshape(n), min_logit.reshape(n), None if k is None else k.reshape(n),
         )
         return logp.reshape(y.shape), ent.reshape(y.shape)
 

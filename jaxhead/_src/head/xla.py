@@ -110,18 +110,25 @@ def make_plan(config: XlaConfig, spec: HeadSpec, tuning: sc.Tuning) -> tuple[Xla
 # ----------------------------------------------------------------------------- forward
 
 
-def _chunk_stats(plan: XlaPlan, h_t, w, y_t, it_t) -> hm.Stats:
+def _min_logit(plan: XlaPlan, ml_t):
+    """``[T, 1]`` thresholds of a truncated call, else None (no mask at all)."""
+    return ml_t[:, None] if plan.spec.truncated else None
+
+
+def _chunk_stats(plan: XlaPlan, h_t, w, y_t, it_t, ml_t) -> hm.Stats:
     """``Stats`` ``[T, 1]`` of the rows ``h_t`` over the columns of ``w``."""
     spec = plan.spec
-    y, it = y_t[:, None], it_t[:, None]
+    y, it, ml = y_t[:, None], it_t[:, None], _min_logit(plan, ml_t)
 
     def step(stats, w_c, off):
         z, _ = hm.logits(hm.matmul(h_t, w_c, (1, 0)), spec.softcap)
         hit = (lax.broadcasted_iota(jnp.int32, z.shape, 1) + off) == y
-        return hm.update(stats, z, it, None, hit, spec.with_entropy)
+        valid = hm.support(z, it, ml, hit)
+        return hm.update(stats, z, it, valid, hit, spec.with_entropy)
 
     init = hm.init_stats((h_t.shape[0], 1))
-    return sc.scan_vocab(plan.tuning, plan.vocab_chunk, step, init, w, vary=(h_t, y_t, it_t))
+    return sc.scan_vocab(plan.tuning, plan.vocab_chunk, step, init, w,
+                         vary=(h_t, y_t, it_t, ml_t))
 
 
 def _local_labels(plan: XlaPlan, labels, w):
@@ -131,17 +138,18 @@ def _local_labels(plan: XlaPlan, labels, w):
     return labels - lax.axis_index(plan.spec.vocab_axis) * w.shape[1]
 
 
-def _forward(plan: XlaPlan, h, w, labels, inv_temp) -> hm.Rows:
+def _forward(plan: XlaPlan, h, w, labels, inv_temp, min_logit) -> hm.Rows:
     tc, tuning = plan.token_chunk, plan.tuning
     dtype = tuning.tile_dtype(h.dtype)
 
     def body(_, x, h, w):
-        i, y_t, it_t = x
-        return None, _chunk_stats(plan, sc.rows(h, i, tc, dtype), w, y_t, it_t)
+        i, *per_row = x
+        return None, _chunk_stats(plan, sc.rows(h, i, tc, dtype), w, *per_row)
 
     steps = jnp.arange(h.shape[0] // tc)
     local = _local_labels(plan, labels, w)
-    _, stats = sc.scan(tuning, body, None, (steps, *sc.chunks(tc, local, inv_temp)), (h, w))
+    xs = (steps, *sc.chunks(tc, local, inv_temp, min_logit))
+    _, stats = sc.scan(tuning, body, None, xs, (h, w))
     stats = hm.Stats(*(s.reshape(labels.shape) for s in stats))
     axis = plan.spec.vocab_axis
     if axis is not None:
@@ -153,13 +161,15 @@ def _forward(plan: XlaPlan, h, w, labels, inv_temp) -> hm.Rows:
 # ----------------------------------------------------------------------------- backward
 
 
-def _du_tile(plan: XlaPlan, h_t, w_c, off, y_t, it_t, m_t, ls_t, ent_t, g_t, e_t):
+def _du_tile(plan: XlaPlan, h_t, w_c, off, y_t, it_t, ml_t, m_t, ls_t, ent_t, g_t, e_t):
     """``dL/du`` of one ``[T, C]`` tile, in the tile dtype, ready for the two matmuls."""
     spec = plan.spec
     z, th = hm.logits(hm.matmul(h_t, w_c, (1, 0)), spec.softcap)
     hit = (lax.broadcasted_iota(jnp.int32, z.shape, 1) + off) == y_t[:, None]
-    per_row = (it_t, m_t, ls_t, ent_t, g_t, e_t)
-    du = hm.dlogits(z, th, *(x[:, None] for x in per_row), None, hit, spec.with_entropy)
+    it = it_t[:, None]
+    valid = hm.support(z, it, _min_logit(plan, ml_t), hit)
+    per_row = (m_t, ls_t, ent_t, g_t, e_t)
+    du = hm.dlogits(z, th, it, *(x[:, None] for x in per_row), valid, hit, spec.with_entropy)
     return du.astype(h_t.dtype)
 
 
@@ -218,9 +228,9 @@ def _backward_two_pass(plan: XlaPlan, xs, h, w, dh_dtype):
     return dh, out.finish(dw)
 
 
-def _backward(plan: XlaPlan, h, w, labels, inv_temp, m, log_s, ent, g, e):
+def _backward(plan: XlaPlan, h, w, labels, inv_temp, min_logit, m, log_s, ent, g, e):
     """``(dh, dw)`` of ``sum(g * logp) + sum(e * entropy)`` by recomputing each tile."""
-    per_row = (_local_labels(plan, labels, w), inv_temp, m, log_s, ent, g, e)
+    per_row = (_local_labels(plan, labels, w), inv_temp, min_logit, m, log_s, ent, g, e)
     xs = (jnp.arange(h.shape[0] // plan.token_chunk), *sc.chunks(plan.token_chunk, *per_row))
     run = _backward_fused if plan.fused_backward else _backward_two_pass
     axis = plan.spec.vocab_axis
