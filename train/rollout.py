@@ -66,9 +66,7 @@ def _generator(mdef: ModelDef, max_new_tokens: int, top_p: float | None,
         w = model.lm_head.weight(dtype)
         kw = {"temperature": temperature, "softcap": model.lm_head.softcap,
               "num_valid": num_valid}
-        if top_p is not None:
-            return jaxhead.top_p_sample(hidden.astype(dtype), w, key, top_p=top_p, **kw)
-        return jaxhead.sample(hidden.astype(dtype), w, key, **kw)
+        return jaxhead.sample(hidden.astype(dtype), w, key, top_p=top_p or 1.0, **kw)
 
     @jax.jit
     def generate(params, prompts, lens, key, temperature):
