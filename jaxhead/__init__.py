@@ -9,6 +9,7 @@ Public API (everything under ``jaxhead._src`` is private and may change):
   sample, Sample              sampling from the head (chunked Gumbel-max, no [B, V] logits;
                               top-k / top-p / min-p with the support's log-probs)
   keep_mask                   union of the loss components that read each token
+  shift_to_predictions        a token-aligned mask as the prediction-aligned one
   next_token_labels           shift-left labels that respect packed segments
   bucket_size, bucket_ladder  static padded sizes for the kept set
   bucket_for_shards           the one static bucket of all token shards (host)
@@ -30,7 +31,7 @@ from jaxhead._src.head.reference import reference_token_logprobs
 from jaxhead._src.head.sharded import bucket_for_shards, sharded_token_logprobs
 from jaxhead._src.head.xla import XlaConfig
 from jaxhead._src.head.xla_cpu import XlaCpuConfig
-from jaxhead._src.masks import keep_mask, next_token_labels
+from jaxhead._src.masks import keep_mask, next_token_labels, shift_to_predictions
 from jaxhead._src.nnx import LMHead
 from jaxhead._src.sampling import sample
 from jaxhead._src.types import HeadOutput, Sample
@@ -55,5 +56,6 @@ __all__ = [
     "reference_token_logprobs",
     "sample",
     "sharded_token_logprobs",
+    "shift_to_predictions",
     "token_logprobs",
 ]

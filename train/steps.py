@@ -46,7 +46,8 @@ def _head(mdef: ModelDef, params: Params, b, *, skip: bool, bucket: int, tempera
     """``(HeadOutput, aux_loss)`` of the policy on the batch (see the module docstring)."""
     model = mdef.merge(_stop_frozen(params, frozen))
     if skip:
-        keep = jaxhead.keep_mask(loss_mask=b["loss_mask"], segment_ids=b["segment_ids"])
+        keep = jaxhead.keep_mask(loss_mask=b["loss_mask"], segment_ids=b["segment_ids"],
+                                 aligned_to="predictions")
         labels = b["labels"]
     else:
         keep, bucket = None, None

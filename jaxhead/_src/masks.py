@@ -3,9 +3,11 @@
 Conventions (as in MaxText and Tunix packing):
 
 * arrays are ``[..., S]`` with the sequence on the last axis;
-* position ``i`` predicts token ``i + 1``: labels and every per-token mask or weight given to
-  these functions are already *after* that shift (aligned with the position that produces
-  the logits);
+* position ``i`` predicts token ``i + 1``: labels and the head's outputs are aligned with the
+  position that produces the logits ("predictions"). A mask aligned with the tokens
+  themselves (``completion_mask[i]``: token ``i`` is a completion token, the usual layout in
+  JAX and PyTorch RL stacks) is given to ``keep_mask`` with ``aligned_to="tokens"`` and
+  shifted there, within segments;
 * ``segment_ids`` give each packed sequence its own positive id; ``0`` marks padding;
 * the last position of a segment (and of a row) has no next token inside its segment, so it
   has no label and is never kept.
@@ -80,32 +82,61 @@ def next_token_labels(
     return labels, valid
 
 
+ALIGNMENTS = ("predictions", "tokens")
+
+
+def shift_to_predictions(mask: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    """A token-aligned mask (``mask[..., i]``: token ``i``) as the prediction-aligned one
+    (``out[..., i]``: the position that predicts token ``i + 1``, in the same segment).
+
+    Args:
+      mask: ``[..., S]`` bool or number, aligned with the tokens.
+      segment_ids: optional int ``[..., S]``, ``0`` = padding.
+
+    Returns:
+      ``[..., S]`` of ``mask``'s dtype: ``mask[..., i + 1]`` where position ``i`` has a next
+      token in its own segment (``has_next_token``), else 0.
+    """
+    mask = jnp.asarray(mask)
+    shape = _check_same_shape({"mask": mask, "segment_ids": segment_ids})
+    shifted = jnp.concatenate([mask[..., 1:], jnp.zeros_like(mask[..., :1])], axis=-1)
+    return jnp.where(has_next_token(shape, segment_ids), shifted, jnp.zeros((), mask.dtype))
+
+
 def keep_mask(
     *,
     loss_mask: jax.Array | None = None,
     ce_weights: jax.Array | None = None,
     kl_weights: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
+    aligned_to: str,
 ) -> jax.Array:
-    """Which positions any loss component reads: the tokens the head must compute.
+    """Which positions any loss component reads: the positions the head must compute.
 
-    ``keep = (loss_mask != 0 | ce_weights != 0 | kl_weights != 0) & has_next_token``, all
-    taken after the next-token shift (position ``i`` scores token ``i + 1``). The last
-    position of each packed segment and of each row, and padding (segment id 0), are never
-    kept, whatever the masks say: they have no label.
+    ``keep = (loss_mask != 0 | ce_weights != 0 | kl_weights != 0) & has_next_token``, on
+    prediction-aligned masks (position ``i`` scores token ``i + 1``). The last position of
+    each packed segment and of each row, and padding (segment id 0), are never kept: they
+    have no label.
 
     Args:
       loss_mask: ``[..., S]`` bool or number: the policy-gradient (RL) loss reads it.
       ce_weights: ``[..., S]`` number: SFT / cross-entropy weights.
       kl_weights: ``[..., S]`` number: reference-KL weights.
       segment_ids: optional int ``[..., S]``, ``0`` = padding.
+      aligned_to: what the given masks index, required so that neither layout is taken for
+        the other silently: ``"tokens"`` (``mask[i]``: token ``i`` is read, e.g. a
+        completion mask; shifted here with ``shift_to_predictions``) or ``"predictions"``
+        (``mask[i]``: the prediction of token ``i + 1`` is read, already shifted).
 
     Returns:
-      bool ``[..., S]``.
+      bool ``[..., S]``, aligned with the predictions (and with ``next_token_labels``).
 
     Raises:
-      ValueError: no mask given, or shapes differ (both shapes named).
+      ValueError: no mask given, shapes that differ (both shapes named), or an unknown
+        ``aligned_to``.
     """
+    if aligned_to not in ALIGNMENTS:
+        raise ValueError(f"aligned_to must be one of {ALIGNMENTS}, got {aligned_to!r}")
     masks = {"loss_mask": loss_mask, "ce_weights": ce_weights, "kl_weights": kl_weights}
     if all(m is None for m in masks.values()):
         raise ValueError("keep_mask needs at least one of loss_mask, ce_weights, kl_weights")
@@ -114,4 +145,6 @@ def keep_mask(
     for m in masks.values():
         if m is not None:
             keep = keep | (jnp.asarray(m) != 0)
+    if aligned_to == "tokens":
+        return shift_to_predictions(keep, segment_ids)
     return keep & has_next_token(shape, segment_ids)

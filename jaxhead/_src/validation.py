@@ -32,6 +32,12 @@ def check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit=N
     if len(ws) != 2:
         raise ValueError(f"weight must be [H, V], got shape {ws}")
     if ws[0] != hs[-1]:
+        if ws[1] == hs[-1]:
+            raise ValueError(
+                f"weight has shape {ws}, which looks like [V, H] (the embedding layout): the "
+                f"head takes [H, V] = ({hs[-1]}, {ws[0]}); pass weight.T (for a tied "
+                f"embedding table, the table transposed)"
+            )
         raise ValueError(
             f"hidden shape {hs} and weight shape {ws} disagree on H: {hs[-1]} != {ws[0]}"
         )

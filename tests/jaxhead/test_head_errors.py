@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -82,3 +84,37 @@ def test_bad_temperature_softcap_impl(data):
         jaxhead.token_logprobs(hidden, weight, labels, impl="cuda")
     with pytest.raises(ValueError, match="bucket must be a non-negative int or None, got 2.5"):
         jaxhead.token_logprobs(hidden, weight, labels, jnp.ones(40, bool), bucket=2.5)
+
+
+def test_ignore_index_labels_are_not_kept_without_a_keep_mask():
+    """Labels from ``next_token_labels`` (-100 where there is no next token) work with
+    ``keep=None``, eagerly and under ``jit``: those positions are 0, as in PyTorch's
+    cross-entropy; another out-of-range label still raises; ``ignore_index=None`` keeps all."""
+    tokens = jnp.asarray([[5, 6, 7, 8], [1, 2, 3, 4]])
+    hidden = jax.random.normal(jax.random.key(0), (2, 4, 8))
+    weight = jax.random.normal(jax.random.key(1), (8, 16))
+    labels, valid = jaxhead.next_token_labels(tokens)
+    want = jaxhead.token_logprobs(hidden, weight, labels, valid)
+    got = jaxhead.token_logprobs(hidden, weight, labels)
+    chex.assert_trees_all_close(got, want, atol=1e-6)
+    jitted = jax.jit(lambda h, y: jaxhead.token_logprobs(h, weight, y))(hidden, labels)
+    chex.assert_trees_all_close(jitted, want, atol=1e-6)
+    with pytest.raises(ValueError, match=r"1 kept label\(s\) outside \[0, 16\); first at "
+                       r"position \(0, 1\) with value -7"):
+        jaxhead.token_logprobs(hidden, weight, labels.at[0, 1].set(-7))
+    with pytest.raises(ValueError, match="2 kept label"):
+        jaxhead.token_logprobs(hidden, weight, labels, ignore_index=None)
+
+
+def test_a_transposed_weight_is_named():
+    hidden = jnp.ones((3, 2))
+    with pytest.raises(ValueError, match=r"weight has shape \(16, 2\), which looks like "
+                       r"\[V, H\].*takes \[H, V\] = \(2, 16\); pass weight.T"):
+        jaxhead.token_logprobs(hidden, jnp.ones((16, 2)), jnp.zeros(3, jnp.int32))
+
+
+def test_traced_keep_without_a_bucket_warns_with_the_fix():
+    hidden, weight = jnp.ones((4, 8)), jnp.ones((8, 16))
+    labels, keep = jnp.arange(4), jnp.asarray([True, False, True, False])
+    with pytest.warns(UserWarning, match=r"keep is traced and bucket is None.*bucket_size"):
+        jax.jit(lambda k: jaxhead.token_logprobs(hidden, weight, labels, k).logprobs)(keep)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Literal, get_args
 
 import jax
@@ -90,10 +91,16 @@ def plan(impl: Impl | Literal["auto"], config, spec: HeadSpec):
     return fallback, made, padded
 
 
-def _resolve_bucket(keep, bucket, num_tokens: int) -> int:
+def _resolve_bucket(keep, bucket, num_tokens: int, derived: bool = False) -> int:
     # numpy, not jnp: inside a jit trace jnp ops on a closed-over concrete array are traced
     count = int(np.count_nonzero(np.asarray(keep))) if validation.is_concrete(keep) else None
     if bucket is None:
+        if count is None and not derived:
+            warnings.warn(
+                "jaxhead.token_logprobs: keep is traced and bucket is None, so every one of "
+                f"the {num_tokens} tokens goes through the head (no compaction). Pick the "
+                "bucket on the host, e.g. bucket=jaxhead.bucket_size(int(keep.sum()), "
+                "keep.size), and pass it as a static argument.", stacklevel=3)
         return num_tokens if count is None else bucket_size(count, num_tokens)
     if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
         raise ValueError(f"bucket must be a non-negative int or None, got {bucket!r}")
@@ -144,6 +151,15 @@ def run_compacted(head, made, padded: int, h, weight, y, inv_temp, min_logit, ke
     return logp, ent
 
 
+def not_ignored(labels, ignore_index: int):
+    """The keep mask of labels other than ``ignore_index``, or None when every label is
+    (concrete and) another: then the head runs on every row in order, no compaction."""
+    if validation.is_concrete(labels):
+        keep = np.asarray(labels) != ignore_index
+        return None if keep.all() else keep
+    return labels != ignore_index
+
+
 def row_inputs(temperature, min_logit, batch_shape):
     """float32 ``(1 / temperature, min_logit)``, flat ``[N]`` each, without gradients
     (``min_logit`` None: ``-inf``)."""
@@ -166,6 +182,7 @@ def token_logprobs(
     impl: Impl | Literal["auto"] = "auto",
     config=None,
     min_logit=None,
+    ignore_index: int | None = -100,
 ) -> HeadOutput:
     """float32 ``log p(label)`` and entropy of the kept tokens, without ``[N, V]`` logits.
 
@@ -182,15 +199,16 @@ def token_logprobs(
       weight: ``[H, V]`` head weight, same dtype as ``hidden`` (for tied embeddings pass the
         embedding table transposed).
       labels: int ``[...]``: the next token of each position (see ``next_token_labels``).
-      keep: optional bool ``[...]`` (see ``keep_mask``): positions to compute. None: all.
+      keep: optional bool ``[...]`` (see ``keep_mask``): positions to compute. None: every
+        position whose label is not ``ignore_index``.
       temperature: scalar or float ``[...]`` (> 0): sampling temperature per token. Treated
         as a constant: no gradient flows to it.
       softcap: ``c > 0`` or None.
       with_entropy: also compute the entropy and its gradient.
       bucket: static number of rows the kept tokens are compacted into. None: with a
         concrete ``keep``, ``bucket_size(keep.sum(), N)`` chosen on the host; with a traced
-        ``keep``, N (correct, but no saving: pass a bucket under ``jit``). 0: nothing is
-        computed (every kept token then overflows).
+        ``keep``, N (correct, but no saving, and a warning: pass a bucket under ``jit``). 0:
+        nothing is computed (every kept token then overflows).
       impl: one of ``Impl``: ``"xla"`` (the chunked XLA scan, every backend), ``"xla_cpu"``
         (the same with XLA:CPU tuning), ``"pallas_tpu"`` (Mosaic TPU kernels),
         ``"pallas_triton"`` (Triton GPU kernels), ``"reference"`` (full logits of the
@@ -206,6 +224,10 @@ def token_logprobs(
         truncated support on the tempered logits ``l = z / temperature`` (ties included;
         ``-inf``: untruncated), e.g. ``Sample.min_logit`` of the draw. Treated as data: no
         gradient flows to it; computed in the same chunked scan, never ``[N, V]``.
+      ignore_index: when ``keep`` is None, labels equal to it are not kept (their outputs
+        are 0), as in PyTorch's and optax's cross-entropy (``next_token_labels`` writes
+        -100 where there is no next token); None: every label must be in ``[0, V)``. Other
+        out-of-range labels still raise. Ignored when ``keep`` is given.
 
     Returns:
       ``HeadOutput(logprobs, entropy)``, float32 ``[...]``; exactly 0 where ``keep`` is
@@ -229,10 +251,13 @@ def token_logprobs(
     """
     validation.check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit)
     hidden_size, vocab_size = weight.shape
+    derived = keep is None and ignore_index is not None
+    if derived:
+        keep = not_ignored(labels, ignore_index)
     validation.check_values(labels, keep, temperature, vocab_size)
     batch_shape = labels.shape
     num_tokens = math.prod(batch_shape)
-    rows = num_tokens if keep is None else _resolve_bucket(keep, bucket, num_tokens)
+    rows = num_tokens if keep is None else _resolve_bucket(keep, bucket, num_tokens, derived)
     spec = HeadSpec(rows, hidden_size, vocab_size, jnp.dtype(hidden.dtype).name, softcap,
                     with_entropy, truncated=min_logit is not None)
     head, made, padded = plan(impl, config, spec)

@@ -131,6 +131,7 @@ def sharded_token_logprobs(
     impl: api.Impl | Literal["auto"] = "auto",
     config=None,
     min_logit=None,
+    ignore_index: int | None = -100,
 ) -> HeadOutput:
     """``jaxhead.token_logprobs`` with the tokens split over mesh axes, compacted per shard.
 
@@ -158,7 +159,7 @@ def sharded_token_logprobs(
       bucket: static number of slots per token shard (``bucket_for_shards`` on the host).
         None: with a concrete ``keep``, chosen here by ``bucket_for_shards``; with a traced
         one, the shard's token count (correct, no saving).
-      temperature, softcap, with_entropy, impl, config, min_logit: as
+      temperature, softcap, with_entropy, impl, config, min_logit, ignore_index: as
         ``jaxhead.token_logprobs``
         (with ``vocab_axis``, an explicit kernel ``impl`` raises ``KernelUnsupported``).
 
@@ -176,6 +177,8 @@ def sharded_token_logprobs(
       TypeError: as ``jaxhead.token_logprobs``.
     """
     validation.check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit)
+    if keep is None and ignore_index is not None:
+        keep = api.not_ignored(labels, ignore_index)
     if _fully_known(labels, keep, temperature):
         validation.check_values(labels, keep, temperature, weight.shape[1])
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
