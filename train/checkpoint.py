@@ -37,9 +37,6 @@ class Checkpointer:
         """The step of the latest complete checkpoint, or None."""
         return self._manager.latest_step()
 
-    def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
-
     def save(self, step: int, items: dict[str, Any], meta: dict, *, force: bool = False
              ) -> bool:
         """Save the pytrees ``items`` (name -> pytree of arrays, e.g. params, opt_state,

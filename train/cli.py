@@ -1,12 +1,16 @@
 """Command line: ``--config=configs/x.py`` plus ``--config.a.b=value`` overrides (absl +
-ml_collections, as in the Flax examples), with a clear error for an unknown key."""
+ml_collections, as in the Flax examples), with a clear error for an unknown key.
+
+An entry point is ``main(argv)`` calling its trainer with ``config()``, started by
+``run(main)``.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
 
-from absl import flags
+from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
@@ -24,8 +28,9 @@ def leaf_keys(cfg: ConfigDict, prefix: str = "") -> list[str]:
     return out
 
 
-def _load(path: str) -> ConfigDict:
-    """``get_config()`` of the config file ``path``."""
+def load_config(path: str) -> ConfigDict:
+    """``get_config()`` of the config file ``path`` (what ``--config=path`` gives before
+    overrides)."""
     spec = importlib.util.spec_from_file_location("_jaxhead_config", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -56,7 +61,7 @@ def parse_flags(argv: list[str]) -> list[str]:
         msg = f"error: {err}"
         if path is not None:
             try:
-                keys = leaf_keys(_load(path))
+                keys = leaf_keys(load_config(path))
             except Exception:  # noqa: BLE001 (the config itself is broken: show the error)
                 keys = None
             if keys is not None:
@@ -71,3 +76,10 @@ def parse_flags(argv: list[str]) -> list[str]:
 def config() -> ConfigDict:
     """The parsed config (after ``parse_flags``)."""
     return _CONFIG.value
+
+
+def run(main) -> None:
+    """``app.run(main)`` with this module's flag parser; orbax's INFO logs (one per save)
+    are silenced."""
+    logging.set_verbosity(logging.WARNING)
+    app.run(main, flags_parser=parse_flags)

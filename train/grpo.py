@@ -6,11 +6,12 @@ One run, in ``cfg.workdir``:
    loaded if it already ran), else ``init.sft_checkpoint``, an HF checkpoint or a random
    init;
 2. held-out evaluation of the warm start (saved, so a resumed run does not redo it);
-3. ``train.steps`` GRPO steps: G completions for each of P prompts sampled with the KV
-   cache (jaxhead's chunked Gumbel-max, sampler log-probs recorded), rewards from the
-   task's ``score_answer``, group advantages, packed rows, the frozen reference's
-   log-probs when ``loss.beta > 0``, one clipped-surrogate update; metrics every step,
-   checkpoints every ``checkpoint.every`` steps and at the end;
+3. ``train.steps`` GRPO steps (``GRPOIteration``): G completions for each of P prompts
+   sampled with the KV cache (jaxhead's chunked Gumbel-max, sampler log-probs recorded),
+   rewards from the task's ``score_answer``, group advantages, packed rows, the frozen
+   reference's log-probs when ``loss.beta > 0``, one clipped-surrogate update; metrics
+   every step, checkpoints every ``checkpoint.every`` steps and at the end
+   (``train.loop``);
 4. held-out evaluation of the final policy and the before/after table.
 
 Rerunning the same command resumes from the latest complete checkpoint.
@@ -23,18 +24,22 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from absl import app, logging
-from tqdm import tqdm
 
-from train import cli, distributed, evaluate, packing, rl_loss, rollout, setup, steps
-from train.checkpoint import Checkpointer
-from train.metrics import MetricsWriter, peak_flops, peak_memory_bytes, train_step_flops
-from train.optim import frozen_prefixes, make_optimizer
+from train import cli, evaluate, packing, rl_loss, rollout, setup, steps
+from train.loop import Loop, Stage
+from train.metrics import peak_flops, train_step_flops
+from train.placement import place_batch
 from train.sft import run_sft
+from train.state import Params
 
 GRPO_DIR = "grpo"
+
+
+def stage(cfg) -> Stage:
+    """The GRPO stage of ``cfg`` (``cfg.train``, ``cfg.rollout``) as the loop sees it."""
+    return Stage(GRPO_DIR, cfg.train.steps, cfg.rollout.prompts_per_step, cfg.train.log_every,
+                 cfg.train.optim, kind="train", postfix=("reward_mean", "accuracy"))
 
 
 def loss_config(cfg) -> rl_loss.LossConfig:
@@ -45,61 +50,26 @@ def loss_config(cfg) -> rl_loss.LossConfig:
         max_completion_len=cfg.rollout.max_new_tokens)
 
 
-def _atomic_json(path, obj) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
+def generator(cfg, s: setup.Setup, top_p: float) -> rollout.Generator:
+    """The run's KV-cache sampler (``train.rollout.Generator``) with ``top_p``."""
+    return rollout.Generator(s.mdef, max_new_tokens=cfg.rollout.max_new_tokens,
+                             stop_ids=s.tasks.stop_ids, num_valid=s.tokenizer.num_valid,
+                             top_p=top_p)
 
 
-def held_out(cfg, s: setup.Setup, params, name: str, writer: MetricsWriter, step: int
-             ) -> evaluate.EvalResult:
-    """Evaluate ``params`` on the held-out set, or load the saved result ``name``. The
-    same key is used before and after GRPO (common random numbers: the paired difference
-    has less noise)."""
-    path = s.workdir / f"eval_{name}.json"
-    if path.exists():
-        return evaluate.EvalResult.from_json(json.loads(path.read_text()))
-    t0 = time.perf_counter()
-    res = evaluate.evaluate(
-        s.mdef, params, s.eval_problems, s.tasks, s.tokenizer,
-        temperature=cfg.rollout.temperature, samples=cfg.eval.samples,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        batch=cfg.eval.batch or cfg.rollout.prompts_per_step * cfg.rollout.group_size,
-        key=jax.random.fold_in(jax.random.key(cfg.seed), 10**6),
-        format_weight=cfg.data.format_reward)
-    if writer.enabled:
-        _atomic_json(path, res.to_json())
-    (r, r_se), (a, a_se) = res.sampled_reward(), res.greedy_accuracy()
-    writer.write(step, {"sampled_reward": r, "sampled_reward_se": r_se, "greedy_accuracy": a,
-                        "greedy_accuracy_se": a_se, "seconds": time.perf_counter() - t0},
-                 kind=f"eval_{name}")
-    return res
-
-
-def _summary(res: evaluate.EvalResult, n: int, label: str) -> str:
-    (r, r_se), (a, a_se) = res.sampled_reward(), res.greedy_accuracy()
-    return (f"{label}: {n} held-out problems: sampled reward (T={res.temperature:g}) "
-            f"{r:.4f} ± {r_se:.4f}, greedy accuracy {a:.4f} ± {a_se:.4f}")
-
-
-def rollout_batch(cfg, s: setup.Setup, params, problems, key):
-    """Sample G completions per problem; returns ``(rollout, rewards [P, G], correct
-    [P, G])``."""
+def score(cfg, s: setup.Setup, problems, ro: rollout.Rollout) -> tuple[np.ndarray, np.ndarray]:
+    """``(rewards [P, G], correct [P, G])`` of the rollout's ``P * G`` completions (G per
+    problem, in order): ``Tasks.reward`` with the format reward, and whether the task
+    score alone is 1."""
     g = cfg.rollout.group_size
-    prompts = [p.prompt for p in problems for _ in range(g)]
-    ro = rollout.generate(
-        s.mdef, params, prompts, key, max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-        stop_ids=s.tasks.stop_ids, num_valid=s.tokenizer.num_valid)
     rewards, correct = [], []
-    for i in range(len(prompts)):
+    for i in range(len(problems) * g):
         text = evaluate.completion_text(s.tokenizer, ro, i)
         p = problems[i // g]
         rewards.append(s.tasks.reward(p, text, cfg.data.format_reward))
         correct.append(float(s.tasks.reward(p, text) >= 1.0))
     shape = (len(problems), g)
-    return ro, np.reshape(rewards, shape), np.reshape(correct, shape)
+    return np.reshape(rewards, shape), np.reshape(correct, shape)
 
 
 def pack_rollout(cfg, problems, ro: rollout.Rollout, advantages: np.ndarray,
@@ -118,122 +88,189 @@ def pack_rollout(cfg, problems, ro: rollout.Rollout, advantages: np.ndarray,
                 "advantages": [np.full(len(c), adv[i], np.float32) for i, c in enumerate(comps)]})
 
 
-def train(cfg, s: setup.Setup, writer: MetricsWriter, start_params,
-          placement: distributed.Placement | None = None) -> tuple:
-    """The GRPO loop (resumed from ``<workdir>/grpo`` if it has a checkpoint). Returns the
-    final params. ``placement``: the mesh (``train.distributed``; None: from ``cfg.mesh``)."""
-    placement = placement or distributed.Placement.from_config(cfg, s.mdef)
-    total = cfg.train.steps
-    tx, lr = make_optimizer(cfg.train.optim, total)
-    lcfg = loss_config(cfg)
-    skip = cfg.train.skip_unkept
-    ckpt = Checkpointer(s.workdir / GRPO_DIR, cfg.checkpoint.every, cfg.checkpoint.keep)
-    key = jax.random.key(cfg.seed)
-    abstract = s.mdef.abstract_params()
-    latest = ckpt.latest_step()
-    ref_params = start_params if lcfg.beta > 0 else None
-    if latest is None:
-        params = jax.tree.map(jnp.copy, start_params)  # the step donates its params
-        opt_state, position, first = placement.init_opt(tx, params), 0, 1
-    else:
-        items, meta = ckpt.restore({
-            **placement.abstract_state(tx, abstract),
-            "rng": {"key": np.asarray(jax.random.key_data(key))}})
-        params, opt_state = items["params"], items["opt_state"]
-        key = jax.random.wrap_key_data(items["rng"]["key"])
-        position, first = meta["data_position"], meta["step"] + 1
-        print(f"grpo: resuming from checkpoint step {meta['step']}", flush=True)
-    stream = s.tasks.train_stream(cfg.data.train_seed, s.exclude, start=position)
-    row_multiple = placement.row_multiple(cfg.train.row_multiple)  # rows split over shards
-    step_fn = steps.grpo_step(s.mdef, tx, lcfg, cfg.rollout.temperature, skip,
-                              frozen_prefixes(cfg.train.optim), placement)
-    ref_fn = steps.reference_logprobs(s.mdef, cfg.rollout.temperature, skip, placement)
-    peak = peak_flops(cfg.metrics.peak_flops)
-    bar = tqdm(total=total, initial=first - 1, desc="grpo", disable=not writer.enabled)
-    for step in range(first, total + 1):
+def grpo_metrics(m: dict, rewards: np.ndarray, correct: np.ndarray, ro: rollout.Rollout,
+                 packed: packing.PackedBatch, *, bucket: int, skip: bool, times: dict,
+                 flops: float, peak: float) -> dict:
+    """The metrics line of one GRPO step (besides the loop's ``lr``, ``skipped_prompts``,
+    ``peak_memory_bytes``).
+
+    Args:
+      m: the step's metrics (``train.steps.grpo_step``: loss, KL, clip fraction, ...).
+      rewards, correct: ``[P, G]`` (``score``).
+      ro, packed: the rollout and its packed batch.
+      bucket: the head's bucket (with ``skip``; else the head ran on every position).
+      times: seconds of ``rollout`` (sampling and scoring), ``reference`` (advantages,
+        packing and the reference forward), ``train`` (the update).
+      flops: model FLOPs of the update (``train.metrics.train_step_flops``).
+      peak: peak FLOP/s of the local devices.
+    """
+    total = packed.loss_mask.size
+    real = int(np.count_nonzero(packed.segment_ids))
+    head_tokens = bucket if skip else total
+    seconds = sum(times.values())
+    return {
+        **{k: float(v) for k, v in m.items()},
+        "reward_mean": rewards.mean(), "reward_std": rewards.std(),
+        "accuracy": correct.mean(),
+        "zero_std_group_fraction": float(np.mean(rewards.std(axis=1) == 0)),
+        "completion_length_mean": float(ro.lengths.mean()),
+        "completion_length_max": float(ro.lengths.max()),
+        "stop_fraction": float(ro.stopped.mean()),
+        "lm_head_token_fraction": packed.num_kept / total,
+        "lm_head_bucket_fraction": head_tokens / total,
+        "tokens_per_s": real / seconds, "train_tokens_per_s": real / times["train"],
+        "mfu": flops / times["train"] / peak,
+        "time_rollout_s": times["rollout"], "time_reference_s": times["reference"],
+        "time_train_s": times["train"], "sampling_path": ro.path,
+    }
+
+
+class GRPOIteration:
+    """One GRPO step (a ``train.loop.Iteration``), with the jitted functions it owns for
+    the whole run: the sampler, the reference forward and the update.
+
+    Args:
+      cfg, s: the run's config and setup.
+      loop: the stage's loop (its optimiser builds the update).
+      generate: the run's sampler (``generator(cfg, s, cfg.rollout.top_p)``).
+      ref_params: the frozen reference policy (needed when ``loss.beta > 0``).
+    """
+
+    def __init__(self, cfg, s: setup.Setup, loop: Loop, generate: rollout.Generator,
+                 ref_params: Params | None):
+        self.cfg, self.s, self.generate, self.ref_params = cfg, s, generate, ref_params
+        self.loss = loss_config(cfg)
+        self.skip = cfg.train.skip_unkept
+        t = cfg.rollout.temperature
+        self.reference = steps.reference_logprobs(s.mdef, s.placement, temperature=t,
+                                                  skip=self.skip)
+        self.update = steps.grpo_step(s.mdef, loop.tx, self.loss, s.placement, temperature=t,
+                                      skip=self.skip, frozen=loop.frozen)
+        self.row_multiple = s.placement.row_multiple(cfg.train.row_multiple)
+        self.peak = peak_flops(cfg.metrics.peak_flops)
+
+    def __call__(self, params, opt_state, problems, key, step):
+        cfg, s, placement = self.cfg, self.s, self.s.placement
         t0 = time.perf_counter()
-        batch = [next(stream) for _ in range(cfg.rollout.prompts_per_step)]
-        position = batch[-1][0]
-        problems = [p for _, p in batch]
-        ro, rewards, correct = rollout_batch(cfg, s, params, problems,
-                                             jax.random.fold_in(key, step))
+        # 1. rollout: G completions per prompt from the current policy
+        prompts = [p.prompt for p in problems for _ in range(cfg.rollout.group_size)]
+        ro = self.generate(params, prompts, key, temperature=cfg.rollout.temperature)
+        # 2. reward
+        rewards, correct = score(cfg, s, problems, ro)
         t1 = time.perf_counter()
+        # 3. advantage within each group
         adv = rl_loss.group_advantages(rewards, cfg.loss.advantage)
-        packed = pack_rollout(cfg, problems, ro, adv, row_multiple)
-        b = placement.device_batch(packed, "old_logp", "advantages")
-        bucket = placement.bucket(packed, cfg.train.bucket_multiple) if skip else 0
+        # 4. pack prompt + completion rows with old log-probs and advantages
+        packed = pack_rollout(cfg, problems, ro, adv, self.row_multiple)
+        b = place_batch(packed.arrays("old_logp", "advantages"), placement.mesh)
+        bucket = placement.bucket(packed, cfg.train.bucket_multiple) if self.skip else 0
+        # 5. reference log-probs (KL penalty only)
         ref = None
-        if lcfg.beta > 0:
-            ref = jax.block_until_ready(ref_fn(ref_params, b, bucket))
+        if self.loss.beta > 0:
+            ref = jax.block_until_ready(self.reference(self.ref_params, b, bucket))
         t2 = time.perf_counter()
-        params, opt_state, m = step_fn(params, opt_state, b, ref, packed.num_seqs, bucket)
-        m = {k: float(v) for k, v in jax.device_get(m).items()}
+        # 6. one clipped-surrogate update
+        params, opt_state, m = self.update(params, opt_state, b, ref, packed.num_seqs, bucket)
+        m = jax.device_get(m)  # waits for the update
         t3 = time.perf_counter()
-        if step % cfg.train.log_every == 0 or step == total:
+
+        def metrics():
             real = int(np.count_nonzero(packed.segment_ids))
-            head_tokens = bucket if skip else packed.loss_mask.size
-            flops = train_step_flops(s.mdef.cfg, real, head_tokens,
+            flops = train_step_flops(s.mdef.cfg, real,
+                                     bucket if self.skip else packed.loss_mask.size,
                                      context=real / max(packed.num_seqs, 1) / 2)
-            writer.write(step, {
-                **m, "reward_mean": rewards.mean(), "reward_std": rewards.std(),
-                "accuracy": correct.mean(),
-                "zero_std_group_fraction": float(np.mean(rewards.std(axis=1) == 0)),
-                "completion_length_mean": float(ro.lengths.mean()),
-                "completion_length_max": float(ro.lengths.max()),
-                "stop_fraction": float(ro.stopped.mean()),
-                "lr": float(lr(step - 1)),
-                "lm_head_token_fraction": packed.num_kept / packed.loss_mask.size,
-                "lm_head_bucket_fraction": head_tokens / packed.loss_mask.size,
-                "tokens_per_s": real / (t3 - t0), "train_tokens_per_s": real / (t3 - t2),
-                "mfu": flops / (t3 - t2) / peak,
-                "peak_memory_bytes": peak_memory_bytes(),
-                "time_rollout_s": t1 - t0, "time_reference_s": t2 - t1,
-                "time_train_s": t3 - t2, "sampling_path": ro.path,
-                "skipped_prompts": s.tasks.skipped,
-            })
-            bar.set_postfix(reward=f"{rewards.mean():.3f}", acc=f"{correct.mean():.3f}")
-        ckpt.save(step, {"params": params, "opt_state": opt_state,
-                         "rng": {"key": np.asarray(jax.random.key_data(key))}},
-                  {"step": step, "data_position": position}, force=step == total)
-        bar.update(1)
-    bar.close()
-    ckpt.close()
-    return params
+            return grpo_metrics(m, rewards, correct, ro, packed, bucket=bucket, skip=self.skip,
+                                times={"rollout": t1 - t0, "reference": t2 - t1,
+                                       "train": t3 - t2},
+                                flops=flops, peak=self.peak)
+
+        return params, opt_state, metrics
 
 
-def main(argv):
-    del argv
-    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+def train_grpo(cfg, s: setup.Setup, start_params: Params,
+               generate: rollout.Generator | None = None) -> Params:
+    """The GRPO stage (resumed from ``<workdir>/grpo`` if it has a checkpoint) from
+    ``start_params``, which also serve as the reference policy; ``generate``: the run's
+    sampler (None: a new one). Returns the final params."""
+    loop = Loop(cfg, s, stage(cfg))
+    generate = generate or generator(cfg, s, cfg.rollout.top_p)
+    ref = start_params if cfg.loss.beta > 0 else None
+    return loop.run(lambda: start_params, GRPOIteration(cfg, s, loop, generate, ref))
+
+
+def _atomic_json(path, obj) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def held_out(cfg, s: setup.Setup, generate: rollout.Generator, params, name: str, step: int
+             ) -> evaluate.EvalResult:
+    """Evaluate ``params`` on the held-out set, or load the saved result ``name``. The
+    same key is used before and after GRPO (common random numbers: the paired difference
+    has less noise)."""
+    path = s.workdir / f"eval_{name}.json"
+    if path.exists():
+        return evaluate.EvalResult.from_json(json.loads(path.read_text()))
+    t0 = time.perf_counter()
+    res = evaluate.evaluate(
+        generate, params, s.eval_problems, s.tasks, s.tokenizer,
+        temperature=cfg.rollout.temperature, samples=cfg.eval.samples,
+        batch=cfg.eval.batch or cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+        key=jax.random.fold_in(jax.random.key(cfg.seed), 10**6),
+        format_weight=cfg.data.format_reward)
+    if s.writer.enabled:
+        _atomic_json(path, res.to_json())
+    (r, r_se), (a, a_se) = res.sampled_reward(), res.greedy_accuracy()
+    s.writer.write(step, {"sampled_reward": r, "sampled_reward_se": r_se, "greedy_accuracy": a,
+                          "greedy_accuracy_se": a_se, "seconds": time.perf_counter() - t0},
+                   kind=f"eval_{name}")
+    return res
+
+
+def _summary(res: evaluate.EvalResult, n: int, label: str) -> str:
+    (r, r_se), (a, a_se) = res.sampled_reward(), res.greedy_accuracy()
+    return (f"{label}: {n} held-out problems: sampled reward (T={res.temperature:g}) "
+            f"{r:.4f} ± {r_se:.4f}, greedy accuracy {a:.4f} ± {a_se:.4f}")
+
+
+def train(cfg) -> None:
+    """``python -m train.grpo``: warm start, evaluation, GRPO, evaluation, report."""
     t_start = time.perf_counter()
-    cfg = cli.config()
-    distributed.initialize(cfg)  # before any other JAX call
-    s = setup.build_or_exit(cfg)
-    placement = distributed.Placement.from_config(cfg, s.mdef)
-    writer = MetricsWriter(s.workdir / "metrics.jsonl", enabled=jax.process_index() == 0,
-                           tensorboard=cfg.metrics.tensorboard)
+    s = setup.start(cfg)
     if cfg.sft.steps > 0 and not cfg.init.sft_checkpoint:
-        start = run_sft(cfg, s, writer, placement)
+        start = run_sft(cfg, s)
     else:
-        start = distributed.initial_params(cfg, s, placement)
+        start = setup.initial_params(cfg, s)
     n = len(s.eval_problems)
+    rollouts = generator(cfg, s, cfg.rollout.top_p)
+    # held-out evaluations sample without nucleus (and decode greedily): same compiled
+    # decoder as the rollouts unless those use top-p
+    evals = rollouts if cfg.rollout.top_p >= 1.0 else generator(cfg, s, 1.0)
     before = None
     if cfg.eval.before_after:
-        before = held_out(cfg, s, start, "before", writer, 0)
+        before = held_out(cfg, s, evals, start, "before", 0)
         print(_summary(before, n, "before GRPO"), flush=True)
-    params = train(cfg, s, writer, start, placement)
+    params = train_grpo(cfg, s, start, rollouts)
     if before is not None:
-        after = held_out(cfg, s, params, "after", writer, cfg.train.steps)
+        after = held_out(cfg, s, evals, params, "after", cfg.train.steps)
         print(_summary(after, n, "after GRPO"), flush=True)
-        title = (f"tasks {cfg.data.tasks}: {n} held-out problems (question texts never in "
-                 f"training), {cfg.eval.samples} samples each at T={cfg.rollout.temperature:g}"
-                 f", {cfg.train.steps} GRPO steps")
+        title = (f"tasks {', '.join(cfg.data.tasks)}: {n} held-out problems (question texts "
+                 f"never in training), {cfg.eval.samples} samples each at "
+                 f"T={cfg.rollout.temperature:g}, {cfg.train.steps} GRPO steps")
         print(evaluate.report(before, after, title), flush=True)
     cpu = sum(os.times()[:2])  # user + system seconds of this process
     print(f"prompts skipped as too long: {s.tasks.skipped}; wall time "
           f"{time.perf_counter() - t_start:.0f} s (CPU time {cpu:.0f} s); run directory "
           f"{s.workdir}", flush=True)
-    writer.close()
+    s.writer.close()
+
+
+def main(argv):
+    del argv
+    train(cli.config())
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main)

@@ -1,9 +1,12 @@
 """Rollouts: jitted KV-cache decoding that samples from the head with jaxhead's chunked
-Gumbel-max (or nucleus sampling) and records each sampled token's log-prob."""
+Gumbel-max (or nucleus sampling) and records each sampled token's log-prob.
+
+A ``Generator`` is built once per run (by ``train.grpo``) and owns its compiled decoders;
+``temperature`` is traced, so greedy and sampled calls share one.
+"""
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -11,8 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhead import sampling
-from train import distributed
+from train.placement import to_host
 from train.state import ModelDef, Params
+
+#: The ``sampling_path`` metric: which sampler drew a rollout's tokens.
+PATH_GUMBEL = "chunked_gumbel_max"  # jaxhead's chunked Gumbel-max: no [B, V] logits
+PATH_TOP_P = "full_logits_top_p"  # nucleus sampling from full float32 logits
 
 
 class Rollout(NamedTuple):
@@ -25,7 +32,7 @@ class Rollout(NamedTuple):
       lengths: int32 ``[B]`` completion lengths, the stop token included.
       stopped: bool ``[B]``: the completion ended with a stop token (else it hit
         ``max_new_tokens``).
-      path: the sampling path (``jaxhead.sampling.PATH_*``).
+      path: the sampling path (``PATH_GUMBEL`` or ``PATH_TOP_P``).
     """
 
     tokens: np.ndarray
@@ -51,21 +58,24 @@ def pad_prompts(prompts: list[list[int]] | list[tuple[int, ...]], multiple: int 
     return out, lens
 
 
-@functools.cache
-def _generator(mdef: ModelDef, max_new_tokens: int, top_p: float | None,
-               stop_ids: tuple[int, ...], num_valid: int):
-    """The jitted decoder; ``temperature`` is a traced argument (greedy and sampled calls
-    share one compiled function), ``top_p`` (None: the chunked Gumbel-max) is static."""
+def _pick(model, hidden, key, temperature, *, num_valid: int, top_p: float | None):
+    """One token per row of ``hidden`` ``[B, H]`` and its log-prob: the one call of
+    jaxhead's sampler (``top_p`` None: the chunked Gumbel-max; else nucleus)."""
+    dtype = model.lm_head.dtype or hidden.dtype
+    sampler, extra = ((sampling.sample, {}) if top_p is None
+                      else (sampling.top_p_sample, {"top_p": top_p}))
+    return sampler(hidden.astype(dtype), model.lm_head.weight(dtype), key,
+                   temperature=temperature, softcap=model.lm_head.softcap,
+                   num_valid=num_valid, **extra)
+
+
+def _decoder(mdef: ModelDef, max_new_tokens: int, top_p: float | None,
+             stop_ids: tuple[int, ...], num_valid: int):
+    """The jitted decoder ``(params, prompts, lens, key, temperature) -> (tokens, logprobs,
+    lengths, stopped)``; ``temperature`` is a traced argument."""
 
     def pick(model, hidden, key, temperature):
-        dtype = model.lm_head.dtype or hidden.dtype
-        w = model.lm_head.weight(dtype)
-        kw = {"temperature": temperature, "softcap": model.lm_head.softcap,
-              "num_valid": num_valid}
-        if top_p is not None:
-            return sampling.top_p_sample(hidden.astype(dtype), w, key, top_p=top_p, **kw)
-        return sampling.sample(hidden.astype(dtype), w, key,
-                               vocab_chunk=model.lm_head.vocab_chunk, **kw)
+        return _pick(model, hidden, key, temperature, num_valid=num_valid, top_p=top_p)
 
     @jax.jit
     def generate(params, prompts, lens, key, temperature):
@@ -104,31 +114,51 @@ def _generator(mdef: ModelDef, max_new_tokens: int, top_p: float | None,
     return generate
 
 
-def generate(mdef: ModelDef, params: Params, prompts, key: jax.Array, *, max_new_tokens: int,
-             temperature: float, stop_ids: tuple[int, ...], num_valid: int,
-             top_p: float = 1.0) -> Rollout:
-    """Sample one completion per prompt with the KV cache.
+class Generator:
+    """Samples completions with the KV cache; built once per run, it owns its compiled
+    decoders (one for the Gumbel-max path, one for nucleus sampling if used).
 
     Args:
-      mdef, params: the policy.
-      prompts: token id sequences (``B`` of them, any lengths >= 1).
-      key: PRNG key (step ``t`` draws with ``fold_in(key, t)``).
+      mdef: the policy's model definition.
       max_new_tokens: completion budget T.
-      temperature: ``> 0`` samples, 0 is greedy.
       stop_ids: generation of a row ends after any of these.
       num_valid: only ids below it are sampled.
-      top_p: ``< 1`` uses the full-logits nucleus path.
-
-    Returns:
-      ``Rollout`` (host arrays).
+      top_p: ``< 1`` uses the full-logits nucleus path whenever ``temperature > 0``.
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    padded, lens = pad_prompts(list(prompts))
-    nucleus = top_p < 1.0 and temperature > 0
-    fn = _generator(mdef, max_new_tokens, float(top_p) if nucleus else None, tuple(stop_ids),
-                    int(num_valid))
-    toks, lps, length, done = distributed.to_host(  # every process reads every row
-        fn(params, padded, lens, key, jnp.float32(temperature)))
-    path = sampling.PATH_TOP_P if nucleus else sampling.PATH_GUMBEL
-    return Rollout(toks, lps, length, done, path)
+
+    def __init__(self, mdef: ModelDef, *, max_new_tokens: int, stop_ids: tuple[int, ...],
+                 num_valid: int, top_p: float = 1.0):
+        self.mdef, self.max_new_tokens, self.top_p = mdef, max_new_tokens, float(top_p)
+        self.stop_ids, self.num_valid = tuple(stop_ids), int(num_valid)
+        self._decoders: dict[float | None, object] = {}
+
+    def _decoder(self, top_p: float | None):
+        if top_p not in self._decoders:
+            self._decoders[top_p] = _decoder(self.mdef, self.max_new_tokens, top_p,
+                                             self.stop_ids, self.num_valid)
+        return self._decoders[top_p]
+
+    def __call__(self, params: Params, prompts, key: jax.Array, *, temperature: float
+                 ) -> Rollout:
+        """Sample one completion per prompt.
+
+        Args:
+          params: the policy's parameters.
+          prompts: token id sequences (``B`` of them, any lengths >= 1).
+          key: PRNG key (step ``t`` draws with ``fold_in(key, t)``).
+          temperature: ``> 0`` samples, 0 is greedy.
+
+        Returns:
+          ``Rollout`` (host arrays; on several processes every process reads every row).
+
+        Raises:
+          ValueError: ``temperature < 0``.
+        """
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        padded, lens = pad_prompts(list(prompts))
+        nucleus = self.top_p < 1.0 and temperature > 0
+        fn = self._decoder(self.top_p if nucleus else None)
+        toks, lps, length, done = to_host(  # every process reads every row
+            fn(params, padded, lens, key, jnp.float32(temperature)))
+        return Rollout(toks, lps, length, done, PATH_TOP_P if nucleus else PATH_GUMBEL)

@@ -1,5 +1,6 @@
-"""What ``train.sft`` and ``train.grpo`` build from a config: tokenizer, tasks, held-out
-eval set, model definition and initial parameters."""
+"""What ``train.sft`` and ``train.grpo`` build from a config before their loops: tokenizer,
+tasks, held-out eval set, model definition, placement on the mesh, metrics writer, and the
+initial parameters."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import jax
+
 import models
-from train import state
+from train import distributed, state
 from train.checkpoint import require_checkpoint
 from train.data import Problem, Tasks
+from train.metrics import MetricsWriter
+from train.placement import Placement
 from train.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -23,8 +28,10 @@ class Setup:
       tokenizer, tasks: see ``train.tokenizer`` / ``train.data``.
       eval_problems: the held-out set (distinct questions, eval seed).
       exclude: their question texts (never trained on).
-      mdef: the model definition.
+      mdef: the model definition (its config carries ``mesh.rules``).
       hf_params: parameters of ``model.hf_checkpoint`` (None without one).
+      placement: the mesh and the arrays' shardings (``train.placement``).
+      writer: metrics (``metrics.jsonl`` and TensorBoard in the workdir; process 0 only).
     """
 
     workdir: Path
@@ -34,24 +41,27 @@ class Setup:
     exclude: set[str]
     mdef: state.ModelDef
     hf_params: state.Params | None
+    placement: Placement
+    writer: MetricsWriter
 
 
 def task_specs(data_cfg) -> dict[str, dict]:
-    """``{task: kwargs}`` from ``data.tasks`` (comma-separated) and ``data.task_kwargs``."""
-    names = [n.strip() for n in data_cfg.tasks.split(",") if n.strip()]
+    """``{task: kwargs}`` from ``data.tasks`` (a tuple of names) and ``data.task_kwargs``."""
     kwargs = data_cfg.task_kwargs.to_dict()
-    return {n: dict(kwargs.get(n, {})) for n in names}
+    return {n: dict(kwargs.get(n, {})) for n in data_cfg.tasks}
 
 
 def model_config(cfg) -> models.ModelConfig:
-    """The ``ModelConfig`` of ``cfg.model`` (preset + overrides)."""
+    """The ``ModelConfig`` of ``cfg.model`` (preset + overrides) with the sharding rules
+    of ``cfg.mesh.rules``."""
     m = cfg.model
     return models.get_config(m.preset, dtype=m.dtype, param_dtype=m.param_dtype,
-                             **m.overrides.to_dict())
+                             sharding_rules=cfg.mesh.rules, **m.overrides.to_dict())
 
 
 def build(cfg) -> Setup:
-    """Build the shared pieces of a run from its config.
+    """Build the shared pieces of a run from its config (after ``train.distributed``:
+    the mesh spans every process's devices).
 
     Raises:
       ValueError: unknown task (valid names listed), bad task kwargs, an eval set the task
@@ -69,6 +79,7 @@ def build(cfg) -> Setup:
     if cfg.model.hf_checkpoint:
         mdef, hf_params = state.load_hf(cfg.model.hf_checkpoint, dtype=cfg.model.dtype,
                                         param_dtype=cfg.model.param_dtype)
+        mdef = state.ModelDef.of(mdef.cfg.replace(sharding_rules=cfg.mesh.rules))
     else:
         mdef = state.ModelDef.of(model_config(cfg))
     if cfg.model.remat and not mdef.cfg.remat:
@@ -77,13 +88,19 @@ def build(cfg) -> Setup:
         raise ValueError(f"tokenizer has {tok.num_valid} tokens but the model's vocabulary "
                          f"is {mdef.cfg.vocab_size}")
     problems = tasks.eval_set(cfg.eval.size, cfg.data.eval_seed)
+    placement = Placement.from_config(cfg, mdef)
+    writer = MetricsWriter(workdir / "metrics.jsonl", enabled=jax.process_index() == 0,
+                           tensorboard=cfg.metrics.tensorboard)
     return Setup(workdir, tok, tasks, problems, {p.question for p in problems}, mdef,
-                 hf_params)
+                 hf_params, placement, writer)
 
 
-def build_or_exit(cfg) -> Setup:
-    """``build(cfg)``; a bad config (unknown task, missing checkpoint directory, ...) exits
-    with status 1 and a one-line ``error: ...`` on stderr instead of a traceback."""
+def start(cfg) -> Setup:
+    """The preamble of both entry points: ``jax.distributed`` when the run spans several
+    processes (before any other JAX call), then ``build``; a bad config (unknown task,
+    missing checkpoint directory, a mesh that does not fit the devices, ...) exits with
+    status 1 and a one-line ``error: ...`` on stderr instead of a traceback."""
+    distributed.initialize(cfg)
     try:
         return build(cfg)
     except (ValueError, FileNotFoundError) as err:  # models.CheckpointError is a ValueError
@@ -92,12 +109,13 @@ def build_or_exit(cfg) -> Setup:
 
 
 def initial_params(cfg, s: Setup) -> state.Params:
-    """Params to start from: ``init.sft_checkpoint`` (its latest step), the HF checkpoint,
-    or a random init with ``cfg.seed``."""
+    """Params to start from, in the placement's layout: ``init.sft_checkpoint`` (its
+    latest step, restored into the shardings), the HF checkpoint (placed), or a random
+    init with ``cfg.seed`` (created sharded)."""
     if cfg.init.sft_checkpoint:
         ckpt = require_checkpoint(cfg.init.sft_checkpoint)
-        items, _ = ckpt.restore({"params": s.mdef.abstract_params()})
+        items, _ = ckpt.restore({"params": s.placement.abstract_params()})
         return items["params"]
     if s.hf_params is not None:
-        return s.hf_params
-    return state.init_params(s.mdef, cfg.seed)
+        return s.placement.place_params(s.hf_params)
+    return s.placement.init_params(cfg.seed)

@@ -119,21 +119,23 @@ def test_unknown_config_key_lists_valid_keys(tmp_path, env):
 
 
 @pytest.mark.parametrize("override, message", [
-    ({"data.tasks": "chain_sum,no_such_task"}, "unknown reasoning-gym task(s) ['no_such_task']"),
+    ({"data.tasks": ("chain_sum", "no_such_task")},
+     "unknown reasoning-gym task(s) ['no_such_task']"),
     ({"init.sft_checkpoint": "MISSING"}, "does not exist"),
     ({"model.hf_checkpoint": "MISSING"}, "does not exist"),
 ])
 def test_bad_input_exits_with_a_clear_error(tmp_path, capsys, override, message):
     from train import setup
-    from train.cli import _load
+    from train.cli import load_config
 
-    cfg = _load(MICRO)
+    cfg = load_config(MICRO)
     for key, value in override.items():
         section, name = key.split(".")
-        cfg[section][name] = value.replace("MISSING", str(tmp_path / "missing"))
+        cfg[section][name] = (value.replace("MISSING", str(tmp_path / "missing"))
+                              if isinstance(value, str) else value)
     cfg.workdir = str(tmp_path / "w")
     with pytest.raises(SystemExit) as exc:
-        setup.build_or_exit(cfg)
+        setup.start(cfg)
     assert exc.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err

@@ -11,6 +11,7 @@ import pytest
 from models import get_config
 from tests.support.models import random_model
 from train import packing, rl_loss, rollout, steps
+from train.placement import place_batch
 from train.state import ModelDef, params_of
 
 STOP = 7
@@ -28,8 +29,8 @@ def rollout_batch(policy):
     mdef, params = policy
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, 500, rng.integers(3, 12)).tolist() for _ in range(8)]
-    ro = rollout.generate(mdef, params, prompts, jax.random.key(3), max_new_tokens=10,
-                          temperature=1.0, stop_ids=(STOP,), num_valid=500)
+    generate = rollout.Generator(mdef, max_new_tokens=10, stop_ids=(STOP,), num_valid=500)
+    ro = generate(params, prompts, jax.random.key(3), temperature=1.0)
     comps = [ro.completion(i) for i in range(8)]
     adv = rng.normal(size=8).astype(np.float32)
     packed = packing.pack(
@@ -43,7 +44,7 @@ def test_sampler_and_trainer_logprobs_agree(policy, rollout_batch):
     mdef, params = policy
     ro, packed = rollout_batch
     assert int(ro.tokens.max()) < 500 and ro.lengths.min() >= 1
-    b = steps.device_batch(packed, "old_logp", "advantages")
+    b = place_batch(packed.arrays("old_logp", "advantages"))
     loss_fn = steps.grpo_loss_fn(mdef, rl_loss.LossConfig(), 1.0, skip=True)
     _, (_, logp) = loss_fn(params, b, None, packed.num_seqs, packed.bucket())
     mask = packed.loss_mask > 0
@@ -55,7 +56,7 @@ def test_sampler_and_trainer_logprobs_agree(policy, rollout_batch):
 def test_skipping_changes_nothing_but_cost(policy, rollout_batch):
     mdef, params = policy
     _, packed = rollout_batch
-    b = steps.device_batch(packed, "old_logp", "advantages")
+    b = place_batch(packed.arrays("old_logp", "advantages"))
     rng = np.random.default_rng(1)
     # a ratio away from 1 so that clipping is active on some tokens
     b["old_logp"] = b["old_logp"] + jnp.asarray(rng.normal(size=b["old_logp"].shape) * 0.3,
@@ -90,15 +91,16 @@ def test_frozen_parameters_stay_fixed(policy, rollout_batch):
     mdef, params = policy
     _, packed = rollout_batch
     ocfg = ConfigDict(base_config().train.optim.to_dict())
-    ocfg.frozen = "embed_tokens"
+    ocfg.frozen = ("embed_tokens",)
     ocfg.warmup_steps = 0
     tx, _ = make_optimizer(ocfg, 10)
     frozen = frozen_prefixes(ocfg)
     assert frozen == ("embed_tokens",)
-    step = steps.grpo_step(mdef, tx, rl_loss.LossConfig(), 1.0, True, frozen)
+    step = steps.grpo_step(mdef, tx, rl_loss.LossConfig(), temperature=1.0, skip=True,
+                           frozen=frozen)
     start = jax.tree.map(jnp.copy, params)
     new, _, m = step(jax.tree.map(jnp.copy, params), tx.init(params),
-                     steps.device_batch(packed, "old_logp", "advantages"), None,
+                     place_batch(packed.arrays("old_logp", "advantages")), None,
                      packed.num_seqs, packed.bucket())
     assert float(m["grad_norm"]) > 0
     for name in params:
