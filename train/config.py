@@ -106,7 +106,11 @@ def base_config() -> ConfigDict:
         "optim": _optim(1e-4, 10),
     })
 
-    c.checkpoint = ConfigDict({"every": 50, "keep": 3})
+    # Checkpoints of each stage in <workdir>/sft, <workdir>/grpo: every `every` steps and
+    # at the end, keeping the latest `keep` (resume needs the latest only; orbax writes a
+    # new one completely before it deletes the old). The SFT stage of train.grpo keeps
+    # only its final parameters, without optimiser state, once it has finished.
+    c.checkpoint = ConfigDict({"every": 50, "keep": 1})
 
     c.eval = ConfigDict({
         "size": 1024,           # held-out problems (distinct question texts)

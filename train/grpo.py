@@ -33,13 +33,12 @@ from train.placement import place_batch
 from train.sft import run_sft
 from train.state import Params
 
-GRPO_DIR = "grpo"
-
 
 def stage(cfg) -> Stage:
     """The GRPO stage of ``cfg`` (``cfg.train``, ``cfg.rollout``) as the loop sees it."""
-    return Stage(GRPO_DIR, cfg.train.steps, cfg.rollout.prompts_per_step, cfg.train.log_every,
-                 cfg.train.optim, kind="train", postfix=("reward_mean", "accuracy"))
+    return Stage(setup.GRPO_DIR, cfg.train.steps, cfg.rollout.prompts_per_step,
+                 cfg.train.log_every, cfg.train.optim, kind="train",
+                 postfix=("reward_mean", "accuracy"))
 
 
 def loss_config(cfg) -> rl_loss.LossConfig:
@@ -219,7 +218,8 @@ def held_out(cfg, s: setup.Setup, generate: rollout.Generator, params, name: str
         temperature=cfg.rollout.temperature, samples=cfg.eval.samples,
         batch=cfg.eval.batch or cfg.rollout.prompts_per_step * cfg.rollout.group_size,
         key=jax.random.fold_in(jax.random.key(cfg.seed), 10**6),
-        format_weight=cfg.data.format_reward)
+        format_weight=cfg.data.format_reward,
+        progress=f"eval {name}" if s.writer.enabled else None)
     if s.writer.enabled:
         _atomic_json(path, res.to_json())
     (r, r_se), (a, a_se) = res.sampled_reward(), res.greedy_accuracy()
@@ -235,12 +235,14 @@ def _summary(res: evaluate.EvalResult, n: int, label: str) -> str:
             f"{r:.4f} ± {r_se:.4f}, greedy accuracy {a:.4f} ± {a_se:.4f}")
 
 
-def train(cfg) -> None:
+def train(cfg, config_file: str | None = None) -> None:
     """``python -m train.grpo``: warm start, evaluation, GRPO, evaluation, report."""
     t_start = time.perf_counter()
     s = setup.start(cfg)
+    if s.writer.enabled:
+        print(setup.banner(cfg, s, "train.grpo", config_file), flush=True)
     if cfg.sft.steps > 0 and not cfg.init.sft_checkpoint:
-        start = run_sft(cfg, s)
+        start = run_sft(cfg, s, final_params_only=True)
     else:
         start = setup.initial_params(cfg, s)
     n = len(s.eval_problems)
@@ -269,7 +271,7 @@ def train(cfg) -> None:
 
 def main(argv):
     del argv
-    train(cli.config())
+    train(cli.config(), cli.config_file())
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from train.checkpoint import Checkpointer
+from train.checkpoint import Checkpointer, check_resumable
 from train.data import Problem
 from train.metrics import peak_memory_bytes
 from train.optim import frozen_prefixes, make_optimizer
@@ -54,6 +54,9 @@ class Stage:
       optim: the stage's ``optim`` config section (``train.optim.make_optimizer``).
       kind: the metrics lines' ``kind``.
       postfix: metric names shown on the progress bar.
+      final_params_only: the last checkpoint holds the parameters only (no optimiser
+        state, no RNG key): for a stage another stage continues from, whose finished
+        state nothing but its parameters is read from (the SFT stage of ``train.grpo``).
     """
 
     name: str
@@ -63,6 +66,7 @@ class Stage:
     optim: object
     kind: str
     postfix: tuple[str, ...] = ()
+    final_params_only: bool = False
 
 
 class Loop:
@@ -101,6 +105,11 @@ class Loop:
 
         ``start`` is only called when there is no checkpoint; its arrays are not
         donated (the steps donate their inputs, so they get a copy).
+
+        Raises:
+          ValueError: the stage's latest checkpoint holds final parameters only (it
+            finished with ``final_params_only``) but the stage has more steps now
+            (``train.checkpoint.check_resumable``; ``setup.build`` checks it first).
         """
         cfg, s, stage, placement = self.cfg, self.s, self.stage, self.s.placement
         done = self.finished_params()
@@ -109,6 +118,9 @@ class Loop:
         ckpt = self._checkpointer()
         key = jax.random.key(cfg.seed)
         latest = ckpt.latest_step()
+        if latest is not None and not ckpt.has_item(latest, "opt_state"):
+            ckpt.close()
+            check_resumable(self.directory, stage.steps)  # raises
         if latest is None:
             params = jax.tree.map(jnp.copy, start())  # the steps donate their params
             opt_state, position, first = placement.init_opt(self.tx, params), 0, 1
@@ -132,9 +144,12 @@ class Loop:
                      "skipped_prompts": s.tasks.skipped, "peak_memory_bytes": peak_memory_bytes()}
                 s.writer.write(step, m, kind=stage.kind)
                 bar.set_postfix({k: f"{m[k]:.3f}" for k in stage.postfix})
-            ckpt.save(step, {"params": params, "opt_state": opt_state,
-                             "rng": {"key": np.asarray(jax.random.key_data(key))}},
-                      {"step": step, "data_position": position}, force=step == stage.steps)
+            last = step == stage.steps
+            items = {"params": params}
+            if not (last and stage.final_params_only):
+                items.update(opt_state=opt_state,
+                             rng={"key": np.asarray(jax.random.key_data(key))})
+            ckpt.save(step, items, {"step": step, "data_position": position}, force=last)
             bar.update(1)
         bar.close()
         ckpt.close()

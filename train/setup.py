@@ -5,6 +5,7 @@ initial parameters."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from pathlib import Path
 
@@ -12,11 +13,14 @@ import jax
 
 import models
 from train import distributed, state
-from train.checkpoint import require_checkpoint
+from train.checkpoint import check_resumable, require_checkpoint
 from train.data import Problem, Tasks
 from train.metrics import MetricsWriter
 from train.placement import Placement
 from train.tokenizer import Tokenizer, load_tokenizer
+
+#: The stages' checkpoint directories under the workdir.
+SFT_DIR, GRPO_DIR = "sft", "grpo"
 
 
 @dataclasses.dataclass
@@ -67,6 +71,8 @@ def build(cfg) -> Setup:
       ValueError: unknown task (valid names listed), bad task kwargs, an eval set the task
         space cannot fill.
       FileNotFoundError: a missing ``model.hf_checkpoint`` / ``init.sft_checkpoint`` dir.
+      ValueError: a finished stage in the workdir that kept its final parameters only
+        but now has more steps (``train.checkpoint.check_resumable``).
     """
     workdir = Path(cfg.workdir).absolute()
     tok = load_tokenizer(cfg.tokenizer or cfg.model.hf_checkpoint)
@@ -75,6 +81,8 @@ def build(cfg) -> Setup:
                   stop_at_close_tag=cfg.data.stop_at_close_tag)
     if cfg.init.sft_checkpoint:
         require_checkpoint(cfg.init.sft_checkpoint)  # fail early, before any work
+    check_resumable(workdir / SFT_DIR, cfg.sft.steps)
+    check_resumable(workdir / GRPO_DIR, cfg.train.steps)
     hf_params = None
     if cfg.model.hf_checkpoint:
         mdef, hf_params = state.load_hf(cfg.model.hf_checkpoint, dtype=cfg.model.dtype,
@@ -106,6 +114,42 @@ def start(cfg) -> Setup:
     except (ValueError, FileNotFoundError) as err:  # models.CheckpointError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.2f}M"
+
+
+def banner(cfg, s: Setup, entry: str, config_file: str | None = None) -> str:
+    """The few lines a run prints at start: config file and run directory, devices and
+    mesh, model size, task, held-out set size and the stages' lengths."""
+    mesh = s.placement.mesh
+    devices = jax.devices()
+    sizes = {k: math.prod(a.shape) for k, a in s.mdef.abstract_params().items()}
+    head = sum(v for k, v in sizes.items() if k.startswith(("embed_tokens.", "lm_head.")))
+    m = s.mdef.cfg
+    source = cfg.model.hf_checkpoint or f"preset {cfg.model.preset}"
+    kwargs = cfg.data.task_kwargs.to_dict()
+    tasks = ", ".join(f"{t} {kwargs[t]}" if kwargs.get(t) else t for t in cfg.data.tasks)
+    stages = []
+    if entry == "train.sft" or (cfg.sft.steps > 0 and not cfg.init.sft_checkpoint):
+        stages.append(f"SFT {cfg.sft.steps} steps x {cfg.sft.batch_size} sequences")
+    elif cfg.init.sft_checkpoint:
+        stages.append(f"warm start {cfg.init.sft_checkpoint}")
+    if entry == "train.grpo":
+        r = cfg.rollout
+        stages.append(f"GRPO {cfg.train.steps} steps x {r.prompts_per_step} prompts x "
+                      f"{r.group_size} samples")
+    return "\n".join([
+        f"{entry}: config {config_file or '(given)'}, run directory {s.workdir}",
+        (f"devices: {len(devices)} x {devices[0].device_kind} in {jax.process_count()} "
+         "process(es), mesh " + " x ".join(f"{a}={n}" for a, n in mesh.shape.items())),
+        (f"model: {source}, {_millions(sum(sizes.values()))} parameters "
+         f"({_millions(head)} in the embedding / head), depth {m.num_hidden_layers}, "
+         f"width {m.hidden_size}, vocabulary {m.vocab_size:,}, {m.param_dtype} parameters, "
+         f"{m.dtype} compute"),
+        f"task: {tasks}; {len(s.eval_problems):,} held-out problems; " + ", then ".join(stages),
+    ])
 
 
 def initial_params(cfg, s: Setup) -> state.Params:

@@ -20,14 +20,12 @@ from train.loop import Loop, Stage
 from train.placement import place_batch
 from train.state import Params
 
-SFT_DIR = "sft"
 
-
-def stage(cfg) -> Stage:
+def stage(cfg, final_params_only: bool = False) -> Stage:
     """The SFT stage of ``cfg`` (``cfg.sft``) as the loop sees it."""
     c = cfg.sft
-    return Stage(SFT_DIR, c.steps, c.batch_size, c.log_every, c.optim, kind="sft",
-                 postfix=("nll",))
+    return Stage(setup.SFT_DIR, c.steps, c.batch_size, c.log_every, c.optim, kind="sft",
+                 postfix=("nll",), final_params_only=final_params_only)
 
 
 def sft_metrics(m: dict, packed: packing.PackedBatch, seconds: float) -> dict:
@@ -39,14 +37,16 @@ def sft_metrics(m: dict, packed: packing.PackedBatch, seconds: float) -> dict:
             "lm_head_token_fraction": packed.num_kept / packed.loss_mask.size}
 
 
-def run_sft(cfg, s: setup.Setup) -> Params:
+def run_sft(cfg, s: setup.Setup, *, final_params_only: bool = False) -> Params:
     """Run the SFT stage of ``cfg`` in ``<workdir>/sft``: resume from its latest checkpoint,
-    or only load the final params if it already finished.
+    or only load the final params if it already finished. ``final_params_only``: the
+    last checkpoint keeps the parameters only (``train.grpo``'s warm start: nothing
+    else of a finished SFT stage is ever read).
 
     Returns:
       The final parameters.
     """
-    loop = Loop(cfg, s, stage(cfg))
+    loop = Loop(cfg, s, stage(cfg, final_params_only))
     placement = s.placement
     step_fn = steps.sft_step(s.mdef, loop.tx, placement, skip=cfg.train.skip_unkept,
                              frozen=loop.frozen)
@@ -71,18 +71,21 @@ def run_sft(cfg, s: setup.Setup) -> Params:
     return loop.run(lambda: setup.initial_params(cfg, s), iteration)
 
 
-def train(cfg) -> None:
-    """``python -m train.sft``: the SFT stage alone (``sft.steps > 0``)."""
+def train(cfg, config_file: str | None = None) -> None:
+    """``python -m train.sft``: the SFT stage alone (``sft.steps > 0``); its final
+    checkpoint keeps the optimiser state (a later run may train it further)."""
     if cfg.sft.steps <= 0:
         raise app.UsageError("sft.steps must be > 0")
     s = setup.start(cfg)
+    if s.writer.enabled:
+        print(setup.banner(cfg, s, "train.sft", config_file), flush=True)
     run_sft(cfg, s)
     s.writer.close()
 
 
 def main(argv):
     del argv
-    train(cli.config())
+    train(cli.config(), cli.config_file())
 
 
 if __name__ == "__main__":
