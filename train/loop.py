@@ -115,12 +115,10 @@ class Loop:
         done = self.finished_params()
         if done is not None:
             return done
+        check_resumable(self.directory, stage.steps)
         ckpt = self._checkpointer()
         key = jax.random.key(cfg.seed)
         latest = ckpt.latest_step()
-        if latest is not None and not ckpt.has_item(latest, "opt_state"):
-            ckpt.close()
-            check_resumable(self.directory, stage.steps)  # raises
         if latest is None:
             params = jax.tree.map(jnp.copy, start())  # the steps donate their params
             opt_state, position, first = placement.init_opt(self.tx, params), 0, 1
