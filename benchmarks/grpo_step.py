@@ -10,7 +10,8 @@ The default ratio, ~192 prompt to ~64 completion tokens (a quarter of the tokens
 the loss), is that of short-answer reasoning prompts; long chain-of-thought completions
 raise the fraction.
 
-Same loss and gradients either way (``tests/test_grpo_step.py``); only the cost differs.
+Same loss and gradients either way (``tests/train/test_grpo_step.py``); only the cost
+differs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import models
 from train import packing, rl_loss, state, steps
 from train.config import base_config
 from train.optim import make_optimizer
+from train.placement import Placement, place_batch
 
 
 def batch(args, rng) -> packing.PackedBatch:
@@ -60,18 +62,19 @@ def main():
         num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), head_dim=64,
         dtype="float32", param_dtype="float32")
     mdef = state.ModelDef.of(cfg)
+    placement = Placement(models.make_mesh({"data": 1}, devices=jax.devices()[:1]), mdef)
     tx, _ = make_optimizer(base_config().train.optim, 100)
     packed = batch(args, np.random.default_rng(0))
-    b = steps.device_batch(packed, "old_logp", "advantages")
+    b = place_batch(packed.arrays("old_logp", "advantages"))
     total = packed.loss_mask.size
     real = int(np.count_nonzero(packed.segment_ids))
     rows = []
     for skip in (False, True):
-        params = state.init_params(mdef, 0)
+        params = placement.init_params(0)
         opt_state = tx.init(params)
         bucket = packed.bucket() if skip else 0
         fn = steps.grpo_step(mdef, tx, rl_loss.LossConfig(max_completion_len=args.completion),
-                             1.0, skip)
+                             temperature=1.0, skip=skip)
         compiled = fn.lower(params, opt_state, b, None, packed.num_seqs, bucket).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
         times = []

@@ -4,8 +4,8 @@ Nothing is allocated: the step is lowered on abstract shapes (``jax.ShapeDtypeSt
 for a mesh of fake CPU devices and compiled; ``Compiled.memory_analysis()`` then gives the
 per-device sizes of XLA's buffer assignment. The step is GRPO-shaped: decoder forward
 (expert-parallel MoE), sharded jaxhead head on the kept tokens,
-``-mean(adv * logp) + aux`` loss, backward, Adam update (float32 ``m`` and ``v``), with
-the parameters and optimizer state donated. CPU buffer assignment approximates what a
+``-mean(adv * logp) + aux`` loss, backward, ``optax.adam`` update (float32 ``m`` and
+``v`` like the float32 parameters), with the parameters and optimizer state donated. CPU buffer assignment approximates what a
 TPU or GPU compile would do (same program, different fusion and scheduling).
 
     python benchmarks/memory.py                                  # Qwen3-30B-A3B, 64 devices
@@ -24,21 +24,6 @@ import os
 GIB = 2**30
 
 
-def _adam(params, grads, m, v, step, lr=1e-6, b1=0.9, b2=0.999, eps=1e-8):
-    """One Adam update; ``m``, ``v`` float32 like the parameters."""
-    import jax
-    import jax.numpy as jnp
-
-    m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g.astype(jnp.float32), m, grads)
-    v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * jnp.square(g.astype(jnp.float32)), v,
-                     grads)
-    c1, c2 = 1 - b1 ** step, 1 - b2 ** step
-    params = jax.tree.map(
-        lambda p, m, v: (p - lr * (m / c1) / (jnp.sqrt(v / c2) + eps)).astype(p.dtype),
-        params, m, v)
-    return params, m, v
-
-
 def _shard_bytes(abstract, shardings) -> int:
     """Bytes one device holds of the arrays ``abstract`` laid out by ``shardings``."""
     import jax
@@ -54,7 +39,10 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     """Compile the train step for ``mesh_sizes`` on abstract shapes; per-device GiB."""
     import jax
     import jax.numpy as jnp
+    import optax
     from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import jaxhead
     from models import Transformer, get_config, jit_sharded, state_shardings
@@ -68,7 +56,12 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     batch = batch or shards
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     p_shard = state_shardings(params, mesh)
-    f32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params)
+    tx = optax.adam(1e-6, b1=0.9, b2=0.999, eps=1e-8, mu_dtype=jnp.float32)
+    opt = jax.eval_shape(tx.init, params)
+    # each moment placed like its parameter (optax builds them by mapping over the
+    # parameters), the step counter replicated
+    o_shard = optax.tree_utils.tree_map_params(
+        tx, lambda _, s: s, opt, p_shard, transform_non_params=lambda _: NamedSharding(mesh, P()))
     per_shard = batch * seq // shards
     bucket = jaxhead.bucket_size(math.ceil(keep * per_shard), per_shard)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
@@ -76,7 +69,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
             "keep": jax.ShapeDtypeStruct((batch, seq), jnp.bool_),
             "advantages": jax.ShapeDtypeStruct((batch, seq), jnp.float32)}
 
-    def step(params, m, v, data):
+    def step(params, opt_state, data):
         def loss_fn(params):
             model = nnx.merge(graphdef, params)
             out = model(data["tokens"], data["positions"], data["segment_ids"])
@@ -88,16 +81,15 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
                     + cfg.router_aux_loss_coef * out.aux_loss)
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
-        params, m, v = _adam(params, grads, m, v, 1)
-        return params, m, v, loss
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
 
     b_shard = batch_sharding(mesh)
-    run = jit_sharded(step, mesh, in_shardings=(p_shard, p_shard, p_shard, b_shard),
-                      out_shardings=(p_shard, p_shard, p_shard, None),
-                      donate_argnums=(0, 1, 2))
-    mem = run.lower(params, f32, f32, data).compile().memory_analysis()
+    run = jit_sharded(step, mesh, in_shardings=(p_shard, o_shard, b_shard),
+                      out_shardings=(p_shard, o_shard, None), donate_argnums=(0, 1))
+    mem = run.lower(params, opt, data).compile().memory_analysis()
     param_bytes = _shard_bytes(params, p_shard)  # exact: the shards' sizes
-    adam_bytes = 2 * _shard_bytes(f32, p_shard)
+    adam_bytes = _shard_bytes(opt, o_shard)
     peak = (mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
             - mem.alias_size_in_bytes)
     return {

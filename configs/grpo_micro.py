@@ -12,7 +12,7 @@ def get_config():
         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
         "head_dim": 16,
     }
-    c.data.tasks = "chain_sum"
+    c.data.tasks = ("chain_sum",)
     c.data.task_kwargs = {"chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1,
                                         "max_digits": 2}}
     c.data.prefill_answer_tag = True  # as in grpo_tiny.py

@@ -19,7 +19,7 @@ def get_config():
     c.model.remat = True  # activations of one layer at a time in the backward pass
     c.model.param_dtype = "float32"
     c.tokenizer = ""  # "" = the checkpoint directory's tokenizer.json
-    c.data.tasks = "chain_sum,basic_arithmetic,gsm_symbolic"
+    c.data.tasks = ("chain_sum", "basic_arithmetic", "gsm_symbolic")
     c.data.max_prompt_len = 512
     c.rollout.prompts_per_step = 32
     c.rollout.group_size = 8

@@ -22,7 +22,7 @@ def get_config():
     c.model.remat = True  # activations of one layer at a time in the backward pass
     c.model.param_dtype = "bfloat16"
     c.tokenizer = ""
-    c.data.tasks = "gsm_symbolic,basic_arithmetic,chain_sum"
+    c.data.tasks = ("gsm_symbolic", "basic_arithmetic", "chain_sum")
     c.data.max_prompt_len = 1024
     c.rollout.prompts_per_step = 64
     c.rollout.group_size = 16

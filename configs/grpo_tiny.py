@@ -19,7 +19,7 @@ def get_config():
     }
     # chain_sum, 3 one-digit terms: 4,000 distinct questions; the 1,024 held-out ones are
     # excluded from training by question text (SFT and GRPO draw from the other 2,976)
-    c.data.tasks = "chain_sum"
+    c.data.tasks = ("chain_sum",)
     c.data.task_kwargs = {"chain_sum": {"min_terms": 3, "max_terms": 3, "min_digits": 1,
                                         "max_digits": 1}}
     c.data.prefill_answer_tag = True

@@ -6,7 +6,7 @@ Public API:
   KVCache, init_cache                fixed-size cache for prefill + decode steps
   load_model, save_model, load_config, CheckpointError   HF safetensors import / export
   logical_axes, logical_partition_specs                   parameter logical axis names
-  DEFAULT_RULES, state_shardings, shard_model, init_sharded, jit_sharded
+  DEFAULT_RULES, state_shardings, init_sharded, jit_sharded
                                      placement on a models.mesh mesh (models.sharding);
                                      the MoE runs expert-parallel under it
 """
@@ -21,20 +21,18 @@ from models.sharding import (
     jit_sharded,
     logical_axes,
     logical_partition_specs,
-    shard_model,
     state_shardings,
 )
 from models.transformer import DecoderOutput, Transformer
 
 __all__ = [
     "BATCH_AXES",
-    "MeshConfig",
-    "make_mesh",
     "DEFAULT_RULES",
     "PRESETS",
     "CheckpointError",
     "DecoderOutput",
     "KVCache",
+    "MeshConfig",
     "ModelConfig",
     "Transformer",
     "get_config",
@@ -45,7 +43,7 @@ __all__ = [
     "load_model",
     "logical_axes",
     "logical_partition_specs",
+    "make_mesh",
     "save_model",
-    "shard_model",
     "state_shardings",
 ]

@@ -10,6 +10,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from models.sharding import DEFAULT_RULES, normalize_rules
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -36,6 +38,11 @@ class ModelConfig:
 
     Head: ``final_logit_softcapping`` (Gemma 2 style ``c * tanh(z / c)`` on the logits,
     forwarded to jaxhead) or None.
+
+    Placement: ``sharding_rules`` map the parameters' logical axis names to mesh axes
+    (``models.sharding``; default ``DEFAULT_RULES``); the expert-parallel MoE reads them
+    under a mesh, and a trainer places the parameters by the same rules. A hashable tuple
+    of ``(logical name, mesh axis | tuple of axes | None)`` pairs (lists are converted).
 
     dtype policy: ``param_dtype`` (float32 or bfloat16) stores the parameters; ``dtype``
     (default bfloat16) is the compute dtype of matmuls and activations. RMSNorm, RoPE,
@@ -68,6 +75,7 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.001
     final_logit_softcapping: float | None = None
     remat: bool = False
+    sharding_rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = DEFAULT_RULES
     dtype: jnp.dtype | str = "bfloat16"
     param_dtype: jnp.dtype | str = "float32"
 
@@ -79,6 +87,7 @@ class ModelConfig:
                 raise ValueError(f"{name} must be float32 or bfloat16, got {value}")
             set_(self, name, value)
         set_(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        set_(self, "sharding_rules", normalize_rules(self.sharding_rules))
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "head_dim", "decoder_sparse_step")
         for name in positive:

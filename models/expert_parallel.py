@@ -162,16 +162,18 @@ def _shard_body(x, experts, weights, gate, up, down, *, expert_axis, num, gather
 
 
 def dropless_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array,
-                     up: jax.Array, down: jax.Array, *, mesh,
+                     up: jax.Array, down: jax.Array, *, mesh, rules=DEFAULT_RULES,
                      max_rows: int = MAX_DISPATCH_ROWS) -> jax.Array:
     """``models.experts.dropless_experts`` with the experts spread over ``mesh``.
 
     Args:
       x: ``[T, H]`` compute dtype, all tokens of the step (split over ``BATCH_AXES``).
       experts: int32 ``[T, k]``; weights: float32 ``[T, k]`` (the router's choice).
-      gate, up: ``[E, H, I]``; down: ``[E, I, H]``; laid out by
-        ``models.sharding.DEFAULT_RULES`` (experts over ``expert``).
+      gate, up: ``[E, H, I]``; down: ``[E, I, H]``; laid out by ``rules``.
       mesh: a ``Mesh`` or ``AbstractMesh`` with the ``models.mesh`` axes.
+      rules: the logical -> mesh axis rules the weights are placed by
+        (``ModelConfig.sharding_rules``; default ``models.sharding.DEFAULT_RULES``:
+        experts over ``expert``).
       max_rows: receive-buffer rows per all-to-all round (``tokens_per_dispatch``): the
         device's tokens go in as few equal rounds as keep within it.
 
@@ -188,9 +190,9 @@ def dropless_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate:
     token_axes = present(mesh, BATCH_AXES)
     check_divisible(x.shape[0], mesh, token_axes, "MoE input (batch x sequence)")
     gate_spec = _nontrivial(logical_to_mesh(
-        ("expert", "embed", "mlp"), mesh, DEFAULT_RULES, gate.shape, "MoE gate_proj"), mesh)
+        ("expert", "embed", "mlp"), mesh, rules, gate.shape, "MoE gate_proj"), mesh)
     down_spec = _nontrivial(logical_to_mesh(
-        ("expert", "mlp", "embed"), mesh, DEFAULT_RULES, down.shape, "MoE down_proj"), mesh)
+        ("expert", "mlp", "embed"), mesh, rules, down.shape, "MoE down_proj"), mesh)
     expert_axes = _axes(gate_spec[0])
 
     def body(*args):

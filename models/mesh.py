@@ -22,7 +22,7 @@ and the parts whose communication matters are written explicitly with ``jax.shar
 axes every ambiguous op in the model would need an ``out_sharding``.
 
 Processes (``jax.distributed``) and placing host batches are the trainer's
-(``train.distributed``).
+(``train.distributed``, ``train.placement``).
 """
 
 from __future__ import annotations
@@ -153,3 +153,11 @@ def check_divisible(rows: int, mesh, axes: Sequence[str] = BATCH_AXES, what="bat
 def batch_sharding(mesh: Mesh, axes: Sequence[str] = BATCH_AXES) -> NamedSharding:
     """``NamedSharding`` splitting the leading (batch) axis over ``axes``."""
     return NamedSharding(mesh, P(present(mesh, axes)))
+
+
+def active_mesh():
+    """The mesh set with ``jax.set_mesh`` (e.g. by ``models.jit_sharded``) while tracing,
+    if it has more than one device; else None (no mesh, or a one-device mesh: the
+    single-device code paths apply)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or mesh.size == 1 else mesh

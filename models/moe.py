@@ -71,6 +71,7 @@ class MoE(nnx.Module):
         h, e, i, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.param_dtype
         self.dtype, self.top_k, self.norm_topk_prob = cfg.dtype, cfg.num_experts_per_tok, \
             cfg.norm_topk_prob
+        self.rules = cfg.sharding_rules  # where the experts live under a mesh
         self.router = param(rngs, (h, e), ("embed", "expert"), pd)
         self.gate_proj = param(rngs, (e, h, i), ("expert", "embed", "mlp"), pd, in_axes=(1,))
         self.up_proj = param(rngs, (e, h, i), ("expert", "embed", "mlp"), pd, in_axes=(1,))
@@ -99,7 +100,8 @@ class MoE(nnx.Module):
         if mesh.empty:
             y = dropless_experts(flat, experts, weights, *params)
         else:
-            y = expert_parallel.dropless_experts(flat, experts, weights, *params, mesh=mesh)
+            y = expert_parallel.dropless_experts(flat, experts, weights, *params, mesh=mesh,
+                                                 rules=self.rules)
         m = token_mask.reshape(-1).astype(jnp.float32)
         onehot = jax.nn.one_hot(experts, probs.shape[-1], dtype=jnp.float32).sum(axis=1)
         stats = RouterStats(m @ onehot, m @ probs, jnp.sum(m))

@@ -3,8 +3,12 @@
 Every parameter carries one logical name per dimension (``nnx.Param`` metadata
 ``out_sharding``, stored without a mesh). ``DEFAULT_RULES`` map the names to the axes of
 ``models.mesh`` (``data, fsdp, expert, tensor``); ``state_shardings`` turns a state into
-``NamedSharding`` s, ``shard_model`` / ``init_sharded`` place a model, ``jit_sharded``
+``NamedSharding`` s, ``init_sharded`` creates a model in its layout, ``jit_sharded``
 compiles a step under the mesh.
+
+The rules are data: a ``ModelConfig`` carries them (``sharding_rules``, default
+``DEFAULT_RULES``; a trainer sets them from its config, ``mesh.rules``), and the
+expert-parallel MoE reads them from there.
 """
 
 from __future__ import annotations
@@ -67,6 +71,26 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
+def normalize_rules(rules) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+    """``rules`` as a hashable tuple of ``(logical name, mesh axis | tuple of axes | None)``
+    pairs (lists, e.g. parsed from a command line, become tuples).
+
+    Raises:
+      ValueError: an entry that is not such a pair (the entry named).
+    """
+    out = []
+    for entry in rules:
+        if isinstance(entry, (str, bytes)) or len(entry) != 2 or not isinstance(entry[0], str):
+            raise ValueError(f"a sharding rule is (logical name, mesh axes), got {entry!r}")
+        name, axes = entry
+        if axes is not None and not isinstance(axes, str):
+            axes = tuple(axes)
+            if not all(isinstance(a, str) for a in axes):
+                raise ValueError(f"sharding rule {entry!r}: mesh axes must be names")
+        out.append((name, axes))
+    return tuple(out)
+
+
 def logical_to_mesh(names, mesh, rules=DEFAULT_RULES, shape=None, what="array") -> P:
     """The ``PartitionSpec`` of an array whose dimensions have logical ``names``.
 
@@ -125,28 +149,16 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.St
     return nnx.from_flat_state(flat)
 
 
-def shard_model(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.State:
-    """Move every variable of ``model`` onto ``mesh`` by ``rules``, in place.
-
-    For a model built or loaded on the host (e.g. ``models.load_model``); to create a
-    large model directly sharded use ``init_sharded``.
-
-    Returns:
-      The shardings (``state_shardings(nnx.state(model), mesh, rules)``).
+def init_sharded(factory, mesh: Mesh | None = None, rules=DEFAULT_RULES) -> nnx.Module:
+    """``factory()`` (e.g. ``lambda: Transformer(cfg, rngs=nnx.Rngs(0))``) initialised inside
+    one ``jax.jit`` (eager NNX init runs one dispatch per initialiser and is several times
+    slower). With a ``mesh``, every variable is created directly in its sharded layout
+    (the rules' out-shardings), so no device ever holds the whole model; None: on the
+    default device. The values do not depend on the mesh.
     """
-    state = nnx.state(model)
-    shardings = state_shardings(state, mesh, rules)
-    nnx.update(model, jax.device_put(state, shardings))
-    return shardings
-
-
-def init_sharded(factory, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.Module:
-    """``factory()`` (e.g. ``lambda: Transformer(cfg, rngs=nnx.Rngs(0))``) created directly
-    in its sharded layout: the initialisers run under ``jax.jit`` with the rules'
-    out-shardings, so no device ever holds the whole model.
-    """
-    abstract = nnx.eval_shape(factory)
-    graphdef, abstract_state = nnx.split(abstract)
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(factory))
+    if mesh is None:
+        return nnx.merge(graphdef, jax.jit(lambda: nnx.state(factory()))())
     shardings = state_shardings(abstract_state, mesh, rules)
     init = jax.jit(lambda: nnx.state(factory()), out_shardings=shardings)
     with jax.set_mesh(mesh):

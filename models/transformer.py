@@ -14,6 +14,7 @@ from models.attention import Attention
 from models.cache import KVCache, check_room, init_cache, layer_view, write_tokens
 from models.config import ModelConfig
 from models.layers import MLP, RMSNorm, embedding
+from models.mesh import BATCH_AXES, active_mesh, present
 from models.moe import MoE, load_balancing_loss
 
 
@@ -178,8 +179,17 @@ class Transformer(nnx.Module):
         temperature=1.0,
         with_entropy: bool = True,
         bucket: int | None = None,
+        token_axes: tuple[str, ...] | None = None,
+        min_logit: jax.Array | None = None,
     ) -> tuple[jaxhead.HeadOutput, jax.Array]:
-        """Decoder forward, then the jaxhead head on the kept tokens.
+        """Decoder forward, then the jaxhead head on the kept tokens: the one function
+        through which the trainer reads every log-prob of the model.
+
+        On one device (no mesh set, or a one-device mesh) the head is ``self.lm_head``
+        (``jaxhead.token_logprobs``). Traced under a multi-device mesh (``jax.set_mesh``,
+        e.g. ``models.jit_sharded``) it is ``self.lm_head.sharded``: the tokens split over
+        ``token_axes`` and each shard compacts its own kept tokens into ``bucket`` slots
+        (``jaxhead.bucket_for_shards`` picks it on the host).
 
         Args:
           tokens, positions, segment_ids: int ``[B, S]`` (see ``__call__``).
@@ -188,6 +198,11 @@ class Transformer(nnx.Module):
           keep: bool ``[B, S]`` tokens any loss reads (``jaxhead.keep_mask``); None: all
             (then every label must be in ``[0, V)``).
           temperature, with_entropy, bucket: see ``jaxhead.token_logprobs``.
+          min_logit: None, or float32 ``[B, S]``: per position, the truncated sampling
+            support each label was drawn from (``jaxhead.token_logprobs``'s
+            ``min_logit``; ``-inf``: untruncated).
+          token_axes: mesh axes the batch is split over under a mesh (default: the
+            mesh's ``models.mesh.BATCH_AXES``); ignored on one device.
 
         Returns:
           ``(HeadOutput(logprobs, entropy) float32 [B, S], aux_loss)``; 0 where not kept.
@@ -196,6 +211,12 @@ class Transformer(nnx.Module):
           ValueError / TypeError: as ``jaxhead.token_logprobs`` and ``__call__``.
         """
         out = self(tokens, positions, segment_ids)
-        head = self.lm_head(out.hidden, labels, keep, temperature=temperature,
-                            with_entropy=with_entropy, bucket=bucket)
+        kw = {"temperature": temperature, "with_entropy": with_entropy, "bucket": bucket,
+              "min_logit": min_logit}
+        mesh = active_mesh()
+        if mesh is None:
+            head = self.lm_head(out.hidden, labels, keep, **kw)
+        else:
+            axes = present(mesh, BATCH_AXES) if token_axes is None else tuple(token_axes)
+            head = self.lm_head.sharded(out.hidden, labels, keep, token_axes=axes, **kw)
         return head, out.aux_loss

@@ -37,8 +37,10 @@ class Checkpointer:
         """The step of the latest complete checkpoint, or None."""
         return self._manager.latest_step()
 
-    def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
+    def has_item(self, step: int, name: str) -> bool:
+        """Whether the checkpoint of ``step`` holds the item ``name`` (e.g. ``opt_state``;
+        orbax writes each item of a step into its own subdirectory)."""
+        return (self.directory / str(step) / name).is_dir()
 
     def save(self, step: int, items: dict[str, Any], meta: dict, *, force: bool = False
              ) -> bool:
@@ -89,6 +91,29 @@ def _target(x):
     sharding = getattr(x, "sharding", None)
     keep = isinstance(sharding, jax.sharding.NamedSharding)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding if keep else None)
+
+
+def check_resumable(directory, steps: int) -> None:
+    """Raise unless a stage of ``steps`` steps can resume from ``directory``: its latest
+    checkpoint must hold the optimiser state unless the stage already reached ``steps``
+    (a finished stage that kept its final parameters only, ``train.loop.Stage``).
+
+    Raises:
+      ValueError: the directory, its last step and the way out named.
+    """
+    path = Path(directory)
+    if not path.is_dir():
+        return
+    ckpt = Checkpointer(path, every=1, keep=1_000_000)
+    try:
+        latest = ckpt.latest_step()
+        if latest is not None and latest < steps and not ckpt.has_item(latest, "opt_state"):
+            raise ValueError(
+                f"{path} finished at step {latest} and kept its final parameters only; it "
+                f"cannot be resumed to {steps} steps: use another workdir (or start from "
+                f"those parameters with init.sft_checkpoint={str(path)!r})")
+    finally:
+        ckpt.close()
 
 
 def require_checkpoint(directory) -> Checkpointer:

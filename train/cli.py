@@ -1,15 +1,32 @@
 """Command line: ``--config=configs/x.py`` plus ``--config.a.b=value`` overrides (absl +
-ml_collections, as in the Flax examples), with a clear error for an unknown key."""
+ml_collections, as in the Flax examples).
+
+* ``--print_config`` prints the resolved config, every key with its value (one
+  ``key = value`` line each, in the syntax of an override), and exits with status 0;
+  ``--help`` / ``--helpfull`` list the config's keys too and exit with status 0.
+* Errors are one line (or a list of valid keys) on stderr, no traceback: a config file
+  that does not exist or a missing ``--config`` (status 2), an override of a key the
+  config does not have (status 2, with every valid key).
+
+An entry point is ``main(argv)`` calling its trainer with ``config()``, started by
+``run(main)``.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 
-from absl import flags
+from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "config file (configs/*.py); override keys with --config.KEY=VALUE",
+    lock_config=True)
+_PRINT_CONFIG = flags.DEFINE_bool(
+    "print_config", False, "print the resolved config (every key = value) and exit")
+_HELP = ("--help", "--helpfull", "--helpshort", "--helpxml", "-?", "-h")
 
 
 def leaf_keys(cfg: ConfigDict, prefix: str = "") -> list[str]:
@@ -24,12 +41,27 @@ def leaf_keys(cfg: ConfigDict, prefix: str = "") -> list[str]:
     return out
 
 
-def _load(path: str) -> ConfigDict:
-    """``get_config()`` of the config file ``path``."""
+def load_config(path: str) -> ConfigDict:
+    """``get_config()`` of the config file ``path`` (what ``--config=path`` gives before
+    overrides)."""
     spec = importlib.util.spec_from_file_location("_jaxhead_config", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config()
+
+
+def resolved(cfg: ConfigDict) -> str:
+    """Every leaf of ``cfg`` as a ``key = value`` line (``repr`` values: the override
+    syntax, e.g. ``data.tasks = ('chain_sum',)``)."""
+    lines = []
+    for key in leaf_keys(cfg):
+        value = cfg
+        for part in key.split("."):
+            value = value[part]
+        if isinstance(value, ConfigDict):  # an empty section
+            value = {}
+        lines.append(f"{key} = {value!r}")
+    return "\n".join(lines)
 
 
 def _config_path(argv: list[str]) -> str | None:
@@ -41,14 +73,40 @@ def _config_path(argv: list[str]) -> str | None:
     return None
 
 
+def _fail(message: str) -> None:
+    print(message, file=sys.stderr)
+    sys.exit(2)
+
+
+def _file_exists(path: str) -> bool:
+    """Whether the config file of ``--config=path`` exists (``file.py:args`` too)."""
+    return os.path.isfile(path) or os.path.isfile(path.rpartition(":")[0] or path)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parser for ``app.run(main, flags_parser=parse_flags)``.
 
-    An override of a key the config does not have exits with status 2 and the list of
-    valid keys (instead of a traceback).
+    ``--print_config`` and the help flags exit with status 0 (see the module docstring);
+    a missing config file, a missing ``--config`` or an override of a key the config
+    does not have exit with status 2 and a message instead of a traceback.
     """
+    path = _config_path(argv)
+    if path is not None and not _file_exists(path):
+        _fail(f"error: config file {path!r} does not exist (--config=PATH, e.g. "
+              f"--config=configs/grpo_tiny.py)")
+    if any(a.split("=", 1)[0] in _HELP for a in argv[1:]):
+        try:
+            flags.FLAGS(argv)
+        except SystemExit:  # absl's help flags exit with status 1 after printing
+            pass
+        if path is not None:
+            print(f"\nConfig keys of {path} (override with --config.KEY=VALUE):\n"
+                  + resolved(load_config(path)))
+        else:
+            print("\nPass --config=FILE --print_config to list a config's keys and values.")
+        sys.exit(0)
     try:
-        return flags.FLAGS(argv)
+        rest = flags.FLAGS(argv)
     except (AttributeError, KeyError, flags.Error) as err:
         path = _config_path(argv)
         bad = [a.split("=", 1)[0][len("--config."):] for a in argv
@@ -56,7 +114,7 @@ def parse_flags(argv: list[str]) -> list[str]:
         msg = f"error: {err}"
         if path is not None:
             try:
-                keys = leaf_keys(_load(path))
+                keys = leaf_keys(load_config(path))
             except Exception:  # noqa: BLE001 (the config itself is broken: show the error)
                 keys = None
             if keys is not None:
@@ -64,10 +122,26 @@ def parse_flags(argv: list[str]) -> list[str]:
                 if unknown:
                     msg = (f"error: unknown config key(s) {unknown} for {path}.\n"
                            f"Valid keys:\n  " + "\n  ".join(keys))
-        print(msg, file=sys.stderr)
-        sys.exit(2)
+        _fail(msg)
+    if _PRINT_CONFIG.value:
+        print(resolved(config()))
+        sys.exit(0)
+    return rest
 
 
 def config() -> ConfigDict:
     """The parsed config (after ``parse_flags``)."""
     return _CONFIG.value
+
+
+def config_file() -> str:
+    """The ``--config`` argument (after ``parse_flags``)."""
+    return config_flags.get_config_filename(flags.FLAGS["config"])
+
+
+def run(main) -> None:
+    """``app.run(main)`` with this module's flag parser and ``--config`` required;
+    orbax's INFO logs (one per save) are silenced."""
+    flags.mark_flag_as_required("config")
+    logging.set_verbosity(logging.WARNING)
+    app.run(main, flags_parser=parse_flags)

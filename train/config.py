@@ -1,10 +1,18 @@
 """The config schema shared by ``train.sft`` and ``train.grpo``: every key with its
 default. Config files (``configs/*.py``) start from ``base_config()`` and change fields;
-``--config.a.b=value`` overrides them on the command line."""
+``--config.a.b=value`` overrides them on the command line.
+
+Values that are lists are tuples. On the command line a tuple is a Python literal
+(ml_collections parses it): ``--config.data.tasks="('chain_sum', 'basic_arithmetic')"``,
+``--config.train.optim.lr_multipliers="(('norm', 50.0),)"``; a bare word is a one-element
+tuple (``--config.data.tasks=chain_sum``), so ``a,b`` is one name ``'a,b'``, never two.
+"""
 
 from __future__ import annotations
 
 from ml_collections import ConfigDict
+
+from models.sharding import DEFAULT_RULES
 
 
 def _optim(lr: float, warmup: int) -> ConfigDict:
@@ -15,12 +23,12 @@ def _optim(lr: float, warmup: int) -> ConfigDict:
         "end_lr_ratio": 0.1,
         "b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0.0,
         "clip_norm": 1.0,       # global-norm gradient clipping
-        # comma-separated parameter-name prefixes kept fixed (no gradient, no optimiser
-        # state), e.g. "embed_tokens": with tied embeddings the embedding and the head
-        "frozen": "",
-        # comma-separated "prefix:multiplier" pairs: those parameters' learning rate is
-        # lr * multiplier (e.g. "norm:30": the final RMSNorm scale, the logit scale)
-        "lr_multipliers": "",
+        # parameter-name prefixes kept fixed (no gradient, no optimiser state), e.g.
+        # ("embed_tokens",): with tied embeddings the embedding and the head
+        "frozen": (),
+        # (prefix, multiplier) pairs: those parameters' learning rate is lr * multiplier,
+        # e.g. (("norm", 50.0),): the final RMSNorm scale, i.e. the logit scale
+        "lr_multipliers": (),
     })
 
 
@@ -44,7 +52,7 @@ def base_config() -> ConfigDict:
     })
 
     c.data = ConfigDict({
-        "tasks": "chain_sum",   # comma-separated reasoning-gym task names
+        "tasks": ("chain_sum",),  # reasoning-gym task names (they take turns)
         "task_kwargs": ConfigDict({}),  # {task: dataset config kwargs}
         "train_seed": 1,
         "eval_seed": 2,
@@ -76,7 +84,11 @@ def base_config() -> ConfigDict:
         "group_size": 8,        # G completions per prompt
         "max_new_tokens": 16,
         "temperature": 1.0,
-        "top_p": 1.0,           # < 1: nucleus sampling (full-logits path)
+        # truncated sampling (any combination; full-logits path): the support is
+        # {v : l_v >= tau}, recorded per token so that the trainer can score on it
+        "top_k": 0,             # > 0: the k most likely tokens
+        "top_p": 1.0,           # < 1: the nucleus of mass top_p
+        "min_p": 0.0,           # > 0: tokens with p >= min_p * max p
     })
 
     c.loss = ConfigDict({
@@ -86,6 +98,13 @@ def base_config() -> ConfigDict:
         "kl_estimator": "k3",   # k1 | k2 | k3
         "entropy_coef": 0.0,
         "aggregation": "token-mean",  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+        # a truncated rollout's tokens are scored on: sampler (the support they were drawn
+        # from: exact ratio to the behaviour policy) | full (the whole softmax, old log-probs
+        # moved to it; the truncated mass is logged)
+        "logprob_support": "sampler",
+        # sampler-trainer mismatch corrections (train.rl_loss): 0 = off
+        "tis_cap": 0.0,         # truncated importance sampling cap C
+        "mask_ratio_low": 0.0, "mask_ratio_high": 0.0,  # drop tokens whose ratio leaves the band
     })
 
     c.train = ConfigDict({
@@ -98,7 +117,11 @@ def base_config() -> ConfigDict:
         "optim": _optim(1e-4, 10),
     })
 
-    c.checkpoint = ConfigDict({"every": 50, "keep": 3})
+    # Checkpoints of each stage in <workdir>/sft, <workdir>/grpo: every `every` steps and
+    # at the end, keeping the latest `keep` (resume needs the latest only; orbax writes a
+    # new one completely before it deletes the old). The SFT stage of train.grpo keeps
+    # only its final parameters, without optimiser state, once it has finished.
+    c.checkpoint = ConfigDict({"every": 50, "keep": 1})
 
     c.eval = ConfigDict({
         "size": 1024,           # held-out problems (distinct question texts)
@@ -109,8 +132,12 @@ def base_config() -> ConfigDict:
 
     c.metrics = ConfigDict({"tensorboard": True, "peak_flops": 0.0})  # 0: by device kind
 
-    # Device mesh over all global devices (models.mesh axes; one size may be -1: the rest).
-    c.mesh = ConfigDict({"data": -1, "fsdp": 1, "expert": 1, "tensor": 1})
+    # Device mesh over all global devices (models.mesh axes; one size may be -1: the rest)
+    # and the rules placing the parameters' logical axes on it ((logical name, mesh axis |
+    # tuple of axes | None) pairs, models.sharding); the model's expert-parallel MoE and
+    # the trainer's parameter and optimiser placement both follow them.
+    c.mesh = ConfigDict({"data": -1, "fsdp": 1, "expert": 1, "tensor": 1,
+                         "rules": DEFAULT_RULES})
     # Several hosts (train.distributed): empty = the JAX_COORDINATOR_ADDRESS /
     # JAX_NUM_PROCESSES / JAX_PROCESS_ID environment variables, none set = one process.
     c.distributed = ConfigDict({

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 from train.tokenizer import Tokenizer
 
@@ -208,8 +208,3 @@ class Tasks:
             score += format_weight
         return score
 
-
-def batched(items: Sequence, size: int) -> Iterator[Sequence]:
-    """Consecutive slices of ``items`` of at most ``size``."""
-    for i in range(0, len(items), size):
-        yield items[i:i + size]

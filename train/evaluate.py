@@ -8,10 +8,11 @@ import math
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 from train import rollout
 from train.data import Problem, Tasks
-from train.state import ModelDef, Params
+from train.state import Params
 from train.tokenizer import Tokenizer
 
 
@@ -62,35 +63,41 @@ class EvalResult:
                    np.asarray(d["greedy_correct"], np.float64), float(d["temperature"]))
 
 
-def _generate_all(mdef, params, prompts, key, batch, **kw) -> list[tuple[list[int], bool]]:
+def _generate_all(generate: rollout.Generator, params, prompts, key, batch: int, bar,
+                  temperature: float) -> list[tuple[rollout.Rollout, int]]:
     """Completions of every prompt, in fixed-size batches (the last one padded by
-    repeating a prompt, so one shape compiles)."""
+    repeating a prompt, so one shape compiles); ``bar`` advances by one per batch."""
     out = []
     for start in range(0, len(prompts), batch):
         chunk = list(prompts[start:start + batch])
         n = len(chunk)
         chunk += [chunk[0]] * (batch - n)
-        ro = rollout.generate(mdef, params, chunk, jax.random.fold_in(key, start), **kw)
+        ro = generate(params, chunk, jax.random.fold_in(key, start), temperature=temperature)
         out += [(ro, i) for i in range(n)]
+        bar.update(1)
     return out
 
 
-def evaluate(mdef: ModelDef, params: Params, problems: list[Problem], tasks: Tasks,
-             tok: Tokenizer, *, temperature: float, samples: int, max_new_tokens: int,
-             batch: int, key: jax.Array, format_weight: float = 0.0) -> EvalResult:
+def evaluate(generate: rollout.Generator, params: Params, problems: list[Problem],
+             tasks: Tasks, tok: Tokenizer, *, temperature: float, samples: int, batch: int,
+             key: jax.Array, format_weight: float = 0.0, progress: str | None = None
+             ) -> EvalResult:
     """Sample ``samples`` completions per problem at ``temperature`` and one greedy one.
 
     Rewards are ``tasks.reward`` (task score plus ``format_weight`` for a well-formed
-    answer); greedy correctness is a task score of 1.
+    answer); greedy correctness is a task score of 1. ``generate`` decodes (its
+    ``max_new_tokens`` and stop tokens); ``batch`` rows per call. ``progress``: the label
+    of a progress bar over the generation calls (None: no bar).
     """
-    kw = {"max_new_tokens": max_new_tokens, "stop_ids": tasks.stop_ids,
-          "num_valid": tok.num_valid}
     prompts = [p.prompt for p in problems for _ in range(samples)]
-    done = _generate_all(mdef, params, prompts, key, batch, temperature=temperature, **kw)
+    calls = -(-len(prompts) // batch) + -(-len(problems) // batch)
+    with tqdm(total=calls, desc=progress, disable=progress is None, unit="batch",
+              leave=False) as bar:
+        done = _generate_all(generate, params, prompts, key, batch, bar, temperature)
+        greedy = _generate_all(generate, params, [p.prompt for p in problems], key, batch,
+                               bar, 0.0)
     rewards = [tasks.reward(problems[j // samples], completion_text(tok, ro, i), format_weight)
                for j, (ro, i) in enumerate(done)]
-    greedy = _generate_all(mdef, params, [p.prompt for p in problems], key, batch,
-                           temperature=0.0, **kw)
     correct = [float(tasks.reward(p, completion_text(tok, ro, i)) >= 1.0)
                for p, (ro, i) in zip(problems, greedy, strict=True)]
     return EvalResult(np.asarray(rewards, np.float64).reshape(len(problems), samples),

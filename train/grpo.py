@@ -6,11 +6,12 @@ One run, in ``cfg.workdir``:
    loaded if it already ran), else ``init.sft_checkpoint``, an HF checkpoint or a random
    init;
 2. held-out evaluation of the warm start (saved, so a resumed run does not redo it);
-3. ``train.steps`` GRPO steps: G completions for each of P prompts sampled with the KV
-   cache (jaxhead's chunked Gumbel-max, sampler log-probs recorded), rewards from the
-   task's ``score_answer``, group advantages, packed rows, the frozen reference's
-   log-probs when ``loss.beta > 0``, one clipped-surrogate update; metrics every step,
-   checkpoints every ``checkpoint.every`` steps and at the end;
+3. ``train.steps`` GRPO steps (``GRPOIteration``): G completions for each of P prompts
+   sampled with the KV cache (jaxhead's chunked Gumbel-max, sampler log-probs recorded),
+   rewards from the task's ``score_answer``, group advantages, packed rows, the frozen
+   reference's log-probs when ``loss.beta > 0``, one clipped-surrogate update; metrics
+   every step, checkpoints every ``checkpoint.every`` steps and at the end
+   (``train.loop``);
 4. held-out evaluation of the final policy and the before/after table.
 
 Rerunning the same command resumes from the latest complete checkpoint.
@@ -23,18 +24,21 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from absl import app, logging
-from tqdm import tqdm
 
-from train import cli, distributed, evaluate, packing, rl_loss, rollout, setup, steps
-from train.checkpoint import Checkpointer
-from train.metrics import MetricsWriter, peak_flops, peak_memory_bytes, train_step_flops
-from train.optim import frozen_prefixes, make_optimizer
+from train import cli, evaluate, packing, rl_loss, rollout, setup, steps
+from train.loop import Loop, Stage
+from train.metrics import peak_flops, train_step_flops
+from train.placement import place_batch
 from train.sft import run_sft
+from train.state import Params
 
-GRPO_DIR = "grpo"
+
+def stage(cfg) -> Stage:
+    """The GRPO stage of ``cfg`` (``cfg.train``, ``cfg.rollout``) as the loop sees it."""
+    return Stage(setup.GRPO_DIR, cfg.train.steps, cfg.rollout.prompts_per_step,
+                 cfg.train.log_every, cfg.train.optim, kind="train",
+                 postfix=("reward_mean", "accuracy"))
 
 
 def loss_config(cfg) -> rl_loss.LossConfig:
@@ -42,7 +46,201 @@ def loss_config(cfg) -> rl_loss.LossConfig:
     return rl_loss.LossConfig(
         eps_low=c.eps_low, eps_high=c.eps_high, beta=c.beta, kl_estimator=c.kl_estimator,
         entropy_coef=c.entropy_coef, aggregation=c.aggregation,
-        max_completion_len=cfg.rollout.max_new_tokens)
+        max_completion_len=cfg.rollout.max_new_tokens, tis_cap=c.tis_cap,
+        mask_ratio_low=c.mask_ratio_low, mask_ratio_high=c.mask_ratio_high)
+
+
+#: ``loss.logprob_support`` values: score a truncated rollout's tokens on the support they
+#: were drawn from, or on the whole softmax.
+LOGPROB_SUPPORTS = ("sampler", "full")
+
+
+def truncation(cfg) -> rollout.Truncation:
+    """The rollouts' ``top_k`` / ``top_p`` / ``min_p`` (``cfg.rollout``)."""
+    r = cfg.rollout
+    return rollout.Truncation(int(r.top_k), float(r.top_p), float(r.min_p))
+
+
+def scored_on_sampler_support(cfg) -> bool:
+    """Whether the trainer scores tokens on the rollouts' truncated support (the trainer's
+    and the reference's log-probs take ``min_logit``); False when sampling is not truncated
+    or ``loss.logprob_support == "full"``.
+
+    Raises:
+      ValueError: ``loss.logprob_support`` not in ``LOGPROB_SUPPORTS``.
+    """
+    support = cfg.loss.logprob_support
+    if support not in LOGPROB_SUPPORTS:
+        raise ValueError(f"loss.logprob_support must be one of {LOGPROB_SUPPORTS}, "
+                         f"got {support!r}")
+    return support == "sampler" and truncation(cfg).active
+
+
+def generator(cfg, s: setup.Setup, trunc: rollout.Truncation) -> rollout.Generator:
+    """The run's KV-cache sampler (``train.rollout.Generator``) with ``trunc``."""
+    return rollout.Generator(s.mdef, max_new_tokens=cfg.rollout.max_new_tokens,
+                             stop_ids=s.tasks.stop_ids, num_valid=s.tokenizer.num_valid,
+                             truncation=trunc)
+
+
+def score(cfg, s: setup.Setup, problems, ro: rollout.Rollout) -> tuple[np.ndarray, np.ndarray]:
+    """``(rewards [P, G], correct [P, G])`` of the rollout's ``P * G`` completions (G per
+    problem, in order): ``Tasks.reward`` with the format reward, and whether the task
+    score alone is 1."""
+    g = cfg.rollout.group_size
+    rewards, correct = [], []
+    for i in range(len(problems) * g):
+        text = evaluate.completion_text(s.tokenizer, ro, i)
+        p = problems[i // g]
+        rewards.append(s.tasks.reward(p, text, cfg.data.format_reward))
+        correct.append(float(s.tasks.reward(p, text) >= 1.0))
+    shape = (len(problems), g)
+    return np.reshape(rewards, shape), np.reshape(correct, shape)
+
+
+def pack_rollout(cfg, problems, ro: rollout.Rollout, advantages: np.ndarray,
+                 row_multiple: int) -> packing.PackedBatch:
+    """Pack prompt + completion per row of the rollout with the sampler log-probs
+    (``old_logp``), the completion's advantage on each of its tokens and, when scored on
+    the sampler's support (``scored_on_sampler_support``), each token's ``min_logit``;
+    with ``loss.logprob_support == "full"`` ``old_logp`` is the full-softmax log-prob
+    (``logprobs + logmass``). The row count is a multiple of ``row_multiple``."""
+    g = cfg.rollout.group_size
+    n = len(problems) * g
+    comps = [ro.completion(i) for i in range(n)]
+    adv = advantages.reshape(-1)
+    on_support = scored_on_sampler_support(cfg)
+    old = ro.logprobs if on_support else ro.logprobs + ro.logmass
+
+    def per_token(x):
+        return [x[i, : len(c)] for i, c in enumerate(comps)]
+
+    values = {"old_logp": per_token(old),
+              "advantages": [np.full(len(c), adv[i], np.float32) for i, c in enumerate(comps)]}
+    if on_support:
+        values["min_logit"] = per_token(ro.min_logit)
+    return packing.pack([problems[i // g].prompt for i in range(n)], comps, cfg.train.row_len,
+                        row_multiple=row_multiple, values=values)
+
+
+def truncated_mass_mean(ro: rollout.Rollout) -> float:
+    """Mean over the rollout's completion tokens of the probability mass the truncation
+    left out (``1 - exp(logmass)``; 0 when untruncated)."""
+    live = np.arange(ro.tokens.shape[1])[None, :] < ro.lengths[:, None]
+    return float(-np.expm1(ro.logmass[live]).mean()) if live.any() else 0.0
+
+
+def grpo_metrics(m: dict, rewards: np.ndarray, correct: np.ndarray, ro: rollout.Rollout,
+                 packed: packing.PackedBatch, *, bucket: int, skip: bool, times: dict,
+                 flops: float, peak: float) -> dict:
+    """The metrics line of one GRPO step (besides the loop's ``lr``, ``skipped_prompts``,
+    ``peak_memory_bytes``).
+
+    Args:
+      m: the step's metrics (``train.steps.grpo_step``: loss, KL, clip fraction, ...).
+      rewards, correct: ``[P, G]`` (``score``).
+      ro, packed: the rollout and its packed batch.
+      bucket: the head's bucket (with ``skip``; else the head ran on every position).
+      times: seconds of ``rollout`` (sampling and scoring), ``reference`` (advantages,
+        packing and the reference forward), ``train`` (the update).
+      flops: model FLOPs of the update (``train.metrics.train_step_flops``).
+      peak: peak FLOP/s of the local devices.
+    """
+    total = packed.loss_mask.size
+    real = int(np.count_nonzero(packed.segment_ids))
+    head_tokens = bucket if skip else total
+    seconds = sum(times.values())
+    return {
+        **{k: float(v) for k, v in m.items()},
+        "reward_mean": rewards.mean(), "reward_std": rewards.std(),
+        "accuracy": correct.mean(),
+        "zero_std_group_fraction": float(np.mean(rewards.std(axis=1) == 0)),
+        "completion_length_mean": float(ro.lengths.mean()),
+        "completion_length_max": float(ro.lengths.max()),
+        "stop_fraction": float(ro.stopped.mean()),
+        "lm_head_token_fraction": packed.num_kept / total,
+        "lm_head_bucket_fraction": head_tokens / total,
+        "tokens_per_s": real / seconds, "train_tokens_per_s": real / times["train"],
+        "mfu": flops / times["train"] / peak,
+        "time_rollout_s": times["rollout"], "time_reference_s": times["reference"],
+        "time_train_s": times["train"], "sampling_path": ro.path,
+        "truncated_mass_mean": truncated_mass_mean(ro),
+    }
+
+
+class GRPOIteration:
+    """One GRPO step (a ``train.loop.Iteration``), with the jitted functions it owns for
+    the whole run: the sampler, the reference forward and the update.
+
+    Args:
+      cfg, s: the run's config and setup.
+      loop: the stage's loop (its optimiser builds the update).
+      generate: the run's sampler (``generator(cfg, s, truncation(cfg))``).
+      ref_params: the frozen reference policy (needed when ``loss.beta > 0``).
+    """
+
+    def __init__(self, cfg, s: setup.Setup, loop: Loop, generate: rollout.Generator,
+                 ref_params: Params | None):
+        self.cfg, self.s, self.generate, self.ref_params = cfg, s, generate, ref_params
+        self.loss = loss_config(cfg)
+        self.skip = cfg.train.skip_unkept
+        t = cfg.rollout.temperature
+        self.values = ("old_logp", "advantages") + (
+            ("min_logit",) if scored_on_sampler_support(cfg) else ())
+        self.reference = steps.reference_logprobs(s.mdef, s.placement, temperature=t,
+                                                  skip=self.skip)
+        self.update = steps.grpo_step(s.mdef, loop.tx, self.loss, s.placement, temperature=t,
+                                      skip=self.skip, frozen=loop.frozen)
+        self.row_multiple = s.placement.row_multiple(cfg.train.row_multiple)
+        self.peak = peak_flops(cfg.metrics.peak_flops)
+
+    def __call__(self, params, opt_state, problems, key, step):
+        cfg, s, placement = self.cfg, self.s, self.s.placement
+        t0 = time.perf_counter()
+        # 1. rollout: G completions per prompt from the current policy
+        prompts = [p.prompt for p in problems for _ in range(cfg.rollout.group_size)]
+        ro = self.generate(params, prompts, key, temperature=cfg.rollout.temperature)
+        # 2. reward
+        rewards, correct = score(cfg, s, problems, ro)
+        t1 = time.perf_counter()
+        # 3. advantage within each group
+        adv = rl_loss.group_advantages(rewards, cfg.loss.advantage)
+        # 4. pack prompt + completion rows with old log-probs and advantages
+        packed = pack_rollout(cfg, problems, ro, adv, self.row_multiple)
+        b = place_batch(packed.arrays(*self.values), placement.mesh)
+        bucket = placement.bucket(packed, cfg.train.bucket_multiple) if self.skip else 0
+        # 5. reference log-probs (KL penalty only)
+        ref = None
+        if self.loss.beta > 0:
+            ref = jax.block_until_ready(self.reference(self.ref_params, b, bucket))
+        t2 = time.perf_counter()
+        # 6. one clipped-surrogate update
+        params, opt_state, m = self.update(params, opt_state, b, ref, packed.num_seqs, bucket)
+        m = jax.device_get(m)  # waits for the update
+        t3 = time.perf_counter()
+
+        def metrics():
+            real = int(np.count_nonzero(packed.segment_ids))
+            flops = train_step_flops(s.mdef.cfg, real,
+                                     bucket if self.skip else packed.loss_mask.size,
+                                     context=real / max(packed.num_seqs, 1) / 2)
+            return grpo_metrics(m, rewards, correct, ro, packed, bucket=bucket, skip=self.skip,
+                                times={"rollout": t1 - t0, "reference": t2 - t1,
+                                       "train": t3 - t2},
+                                flops=flops, peak=self.peak)
+
+        return params, opt_state, metrics
+
+
+def train_grpo(cfg, s: setup.Setup, start_params: Params,
+               generate: rollout.Generator | None = None) -> Params:
+    """The GRPO stage (resumed from ``<workdir>/grpo`` if it has a checkpoint) from
+    ``start_params``, which also serve as the reference policy; ``generate``: the run's
+    sampler (None: a new one). Returns the final params."""
+    loop = Loop(cfg, s, stage(cfg))
+    generate = generate or generator(cfg, s, truncation(cfg))
+    ref = start_params if cfg.loss.beta > 0 else None
+    return loop.run(lambda: start_params, GRPOIteration(cfg, s, loop, generate, ref))
 
 
 def _atomic_json(path, obj) -> None:
@@ -52,7 +250,7 @@ def _atomic_json(path, obj) -> None:
     os.replace(tmp, path)
 
 
-def held_out(cfg, s: setup.Setup, params, name: str, writer: MetricsWriter, step: int
+def held_out(cfg, s: setup.Setup, generate: rollout.Generator, params, name: str, step: int
              ) -> evaluate.EvalResult:
     """Evaluate ``params`` on the held-out set, or load the saved result ``name``. The
     same key is used before and after GRPO (common random numbers: the paired difference
@@ -62,18 +260,18 @@ def held_out(cfg, s: setup.Setup, params, name: str, writer: MetricsWriter, step
         return evaluate.EvalResult.from_json(json.loads(path.read_text()))
     t0 = time.perf_counter()
     res = evaluate.evaluate(
-        s.mdef, params, s.eval_problems, s.tasks, s.tokenizer,
+        generate, params, s.eval_problems, s.tasks, s.tokenizer,
         temperature=cfg.rollout.temperature, samples=cfg.eval.samples,
-        max_new_tokens=cfg.rollout.max_new_tokens,
         batch=cfg.eval.batch or cfg.rollout.prompts_per_step * cfg.rollout.group_size,
         key=jax.random.fold_in(jax.random.key(cfg.seed), 10**6),
-        format_weight=cfg.data.format_reward)
-    if writer.enabled:
+        format_weight=cfg.data.format_reward,
+        progress=f"eval {name}" if s.writer.enabled else None)
+    if s.writer.enabled:
         _atomic_json(path, res.to_json())
     (r, r_se), (a, a_se) = res.sampled_reward(), res.greedy_accuracy()
-    writer.write(step, {"sampled_reward": r, "sampled_reward_se": r_se, "greedy_accuracy": a,
-                        "greedy_accuracy_se": a_se, "seconds": time.perf_counter() - t0},
-                 kind=f"eval_{name}")
+    s.writer.write(step, {"sampled_reward": r, "sampled_reward_se": r_se, "greedy_accuracy": a,
+                          "greedy_accuracy_se": a_se, "seconds": time.perf_counter() - t0},
+                   kind=f"eval_{name}")
     return res
 
 
@@ -83,157 +281,45 @@ def _summary(res: evaluate.EvalResult, n: int, label: str) -> str:
             f"{r:.4f} ± {r_se:.4f}, greedy accuracy {a:.4f} ± {a_se:.4f}")
 
 
-def rollout_batch(cfg, s: setup.Setup, params, problems, key):
-    """Sample G completions per problem; returns ``(rollout, rewards [P, G], correct
-    [P, G])``."""
-    g = cfg.rollout.group_size
-    prompts = [p.prompt for p in problems for _ in range(g)]
-    ro = rollout.generate(
-        s.mdef, params, prompts, key, max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-        stop_ids=s.tasks.stop_ids, num_valid=s.tokenizer.num_valid)
-    rewards, correct = [], []
-    for i in range(len(prompts)):
-        text = evaluate.completion_text(s.tokenizer, ro, i)
-        p = problems[i // g]
-        rewards.append(s.tasks.reward(p, text, cfg.data.format_reward))
-        correct.append(float(s.tasks.reward(p, text) >= 1.0))
-    shape = (len(problems), g)
-    return ro, np.reshape(rewards, shape), np.reshape(correct, shape)
-
-
-def pack_rollout(cfg, problems, ro: rollout.Rollout, advantages: np.ndarray,
-                 row_multiple: int) -> packing.PackedBatch:
-    """Pack prompt + completion per row of the rollout with the sampler log-probs
-    (``old_logp``) and the completion's advantage on each of its tokens; the row count is
-    a multiple of ``row_multiple``."""
-    g = cfg.rollout.group_size
-    n = len(problems) * g
-    comps = [ro.completion(i) for i in range(n)]
-    adv = advantages.reshape(-1)
-    return packing.pack(
-        [problems[i // g].prompt for i in range(n)], comps, cfg.train.row_len,
-        row_multiple=row_multiple,
-        values={"old_logp": [ro.logprobs[i, : len(c)] for i, c in enumerate(comps)],
-                "advantages": [np.full(len(c), adv[i], np.float32) for i, c in enumerate(comps)]})
-
-
-def train(cfg, s: setup.Setup, writer: MetricsWriter, start_params,
-          placement: distributed.Placement | None = None) -> tuple:
-    """The GRPO loop (resumed from ``<workdir>/grpo`` if it has a checkpoint). Returns the
-    final params. ``placement``: the mesh (``train.distributed``; None: from ``cfg.mesh``)."""
-    placement = placement or distributed.Placement.from_config(cfg, s.mdef)
-    total = cfg.train.steps
-    tx, lr = make_optimizer(cfg.train.optim, total)
-    lcfg = loss_config(cfg)
-    skip = cfg.train.skip_unkept
-    ckpt = Checkpointer(s.workdir / GRPO_DIR, cfg.checkpoint.every, cfg.checkpoint.keep)
-    key = jax.random.key(cfg.seed)
-    abstract = s.mdef.abstract_params()
-    latest = ckpt.latest_step()
-    ref_params = start_params if lcfg.beta > 0 else None
-    if latest is None:
-        params = jax.tree.map(jnp.copy, start_params)  # the step donates its params
-        opt_state, position, first = placement.init_opt(tx, params), 0, 1
-    else:
-        items, meta = ckpt.restore({
-            **placement.abstract_state(tx, abstract),
-            "rng": {"key": np.asarray(jax.random.key_data(key))}})
-        params, opt_state = items["params"], items["opt_state"]
-        key = jax.random.wrap_key_data(items["rng"]["key"])
-        position, first = meta["data_position"], meta["step"] + 1
-        print(f"grpo: resuming from checkpoint step {meta['step']}", flush=True)
-    stream = s.tasks.train_stream(cfg.data.train_seed, s.exclude, start=position)
-    row_multiple = placement.row_multiple(cfg.train.row_multiple)  # rows split over shards
-    step_fn = steps.grpo_step(s.mdef, tx, lcfg, cfg.rollout.temperature, skip,
-                              frozen_prefixes(cfg.train.optim), placement)
-    ref_fn = steps.reference_logprobs(s.mdef, cfg.rollout.temperature, skip, placement)
-    peak = peak_flops(cfg.metrics.peak_flops)
-    bar = tqdm(total=total, initial=first - 1, desc="grpo", disable=not writer.enabled)
-    for step in range(first, total + 1):
-        t0 = time.perf_counter()
-        batch = [next(stream) for _ in range(cfg.rollout.prompts_per_step)]
-        position = batch[-1][0]
-        problems = [p for _, p in batch]
-        ro, rewards, correct = rollout_batch(cfg, s, params, problems,
-                                             jax.random.fold_in(key, step))
-        t1 = time.perf_counter()
-        adv = rl_loss.group_advantages(rewards, cfg.loss.advantage)
-        packed = pack_rollout(cfg, problems, ro, adv, row_multiple)
-        b = placement.device_batch(packed, "old_logp", "advantages")
-        bucket = placement.bucket(packed, cfg.train.bucket_multiple) if skip else 0
-        ref = None
-        if lcfg.beta > 0:
-            ref = jax.block_until_ready(ref_fn(ref_params, b, bucket))
-        t2 = time.perf_counter()
-        params, opt_state, m = step_fn(params, opt_state, b, ref, packed.num_seqs, bucket)
-        m = {k: float(v) for k, v in jax.device_get(m).items()}
-        t3 = time.perf_counter()
-        if step % cfg.train.log_every == 0 or step == total:
-            real = int(np.count_nonzero(packed.segment_ids))
-            head_tokens = bucket if skip else packed.loss_mask.size
-            flops = train_step_flops(s.mdef.cfg, real, head_tokens,
-                                     context=real / max(packed.num_seqs, 1) / 2)
-            writer.write(step, {
-                **m, "reward_mean": rewards.mean(), "reward_std": rewards.std(),
-                "accuracy": correct.mean(),
-                "zero_std_group_fraction": float(np.mean(rewards.std(axis=1) == 0)),
-                "completion_length_mean": float(ro.lengths.mean()),
-                "completion_length_max": float(ro.lengths.max()),
-                "stop_fraction": float(ro.stopped.mean()),
-                "lr": float(lr(step - 1)),
-                "lm_head_token_fraction": packed.num_kept / packed.loss_mask.size,
-                "lm_head_bucket_fraction": head_tokens / packed.loss_mask.size,
-                "tokens_per_s": real / (t3 - t0), "train_tokens_per_s": real / (t3 - t2),
-                "mfu": flops / (t3 - t2) / peak,
-                "peak_memory_bytes": peak_memory_bytes(),
-                "time_rollout_s": t1 - t0, "time_reference_s": t2 - t1,
-                "time_train_s": t3 - t2, "sampling_path": ro.path,
-                "skipped_prompts": s.tasks.skipped,
-            })
-            bar.set_postfix(reward=f"{rewards.mean():.3f}", acc=f"{correct.mean():.3f}")
-        ckpt.save(step, {"params": params, "opt_state": opt_state,
-                         "rng": {"key": np.asarray(jax.random.key_data(key))}},
-                  {"step": step, "data_position": position}, force=step == total)
-        bar.update(1)
-    bar.close()
-    ckpt.close()
-    return params
-
-
-def main(argv):
-    del argv
-    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+def train(cfg, config_file: str | None = None) -> None:
+    """``python -m train.grpo``: warm start, evaluation, GRPO, evaluation, report."""
     t_start = time.perf_counter()
-    cfg = cli.config()
-    distributed.initialize(cfg)  # before any other JAX call
-    s = setup.build_or_exit(cfg)
-    placement = distributed.Placement.from_config(cfg, s.mdef)
-    writer = MetricsWriter(s.workdir / "metrics.jsonl", enabled=jax.process_index() == 0,
-                           tensorboard=cfg.metrics.tensorboard)
+    s = setup.start(cfg)
+    if s.writer.enabled:
+        print(setup.banner(cfg, s, "train.grpo", config_file), flush=True)
     if cfg.sft.steps > 0 and not cfg.init.sft_checkpoint:
-        start = run_sft(cfg, s, writer, placement)
+        start = run_sft(cfg, s, final_params_only=True)
     else:
-        start = distributed.initial_params(cfg, s, placement)
+        start = setup.initial_params(cfg, s)
     n = len(s.eval_problems)
+    scored_on_sampler_support(cfg)  # a bad loss.logprob_support fails before any work
+    rollouts = generator(cfg, s, truncation(cfg))
+    # held-out evaluations sample untruncated (and decode greedily): same compiled decoder
+    # as the rollouts unless those are truncated
+    evals = rollouts if not truncation(cfg).active else generator(cfg, s, rollout.Truncation())
     before = None
     if cfg.eval.before_after:
-        before = held_out(cfg, s, start, "before", writer, 0)
+        before = held_out(cfg, s, evals, start, "before", 0)
         print(_summary(before, n, "before GRPO"), flush=True)
-    params = train(cfg, s, writer, start, placement)
+    params = train_grpo(cfg, s, start, rollouts)
     if before is not None:
-        after = held_out(cfg, s, params, "after", writer, cfg.train.steps)
+        after = held_out(cfg, s, evals, params, "after", cfg.train.steps)
         print(_summary(after, n, "after GRPO"), flush=True)
-        title = (f"tasks {cfg.data.tasks}: {n} held-out problems (question texts never in "
-                 f"training), {cfg.eval.samples} samples each at T={cfg.rollout.temperature:g}"
-                 f", {cfg.train.steps} GRPO steps")
+        title = (f"tasks {', '.join(cfg.data.tasks)}: {n} held-out problems (question texts "
+                 f"never in training), {cfg.eval.samples} samples each at "
+                 f"T={cfg.rollout.temperature:g}, {cfg.train.steps} GRPO steps")
         print(evaluate.report(before, after, title), flush=True)
     cpu = sum(os.times()[:2])  # user + system seconds of this process
     print(f"prompts skipped as too long: {s.tasks.skipped}; wall time "
           f"{time.perf_counter() - t_start:.0f} s (CPU time {cpu:.0f} s); run directory "
           f"{s.workdir}", flush=True)
-    writer.close()
+    s.writer.close()
+
+
+def main(argv):
+    del argv
+    train(cli.config(), cli.config_file())
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main)

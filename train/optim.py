@@ -32,8 +32,16 @@ def schedule(cfg, total_steps: int) -> optax.Schedule:
 
 
 def frozen_prefixes(cfg) -> tuple[str, ...]:
-    """The ``frozen`` parameter-name prefixes of an ``optim`` section."""
-    return tuple(p.strip() for p in cfg.get("frozen", "").split(",") if p.strip())
+    """The ``frozen`` parameter-name prefixes of an ``optim`` section (a tuple of names).
+
+    Raises:
+      ValueError: an entry that is not a non-empty name.
+    """
+    frozen = cfg.get("frozen", ())
+    if isinstance(frozen, str) or not all(isinstance(p, str) and p for p in frozen):
+        raise ValueError(f"optim.frozen is a tuple of parameter-name prefixes, e.g. "
+                         f"('embed_tokens',), got {frozen!r}")
+    return tuple(frozen)
 
 
 def is_frozen(name: str, frozen: tuple[str, ...]) -> bool:
@@ -79,17 +87,17 @@ def make_optimizer(cfg, total_steps: int) -> tuple[optax.GradientTransformation,
 
 def lr_multipliers(cfg) -> tuple[tuple[str, float], ...]:
     """``(prefix, multiplier)`` pairs of an ``optim`` section's ``lr_multipliers``
-    (``"norm:30,layers.0:2"``).
+    (e.g. ``(("norm", 30.0), ("layers.0", 2.0))``).
 
     Raises:
-      ValueError: a malformed entry.
+      ValueError: a malformed entry (named).
     """
     out = []
-    for item in cfg.get("lr_multipliers", "").split(","):
-        if not item.strip():
-            continue
-        prefix, sep, mult = item.rpartition(":")
-        if not sep or not prefix.strip():
-            raise ValueError(f"optim.lr_multipliers entries are prefix:multiplier, got {item!r}")
-        out.append((prefix.strip(), float(mult)))
+    for item in cfg.get("lr_multipliers", ()):
+        ok = (not isinstance(item, str) and len(item) == 2 and isinstance(item[0], str)
+              and item[0] and isinstance(item[1], (int, float)))
+        if not ok:
+            raise ValueError(f"optim.lr_multipliers entries are (prefix, multiplier) pairs, "
+                             f"e.g. ('norm', 50.0), got {item!r}")
+        out.append((item[0], float(item[1])))
     return tuple(out)

@@ -19,6 +19,9 @@ import numpy as np
 
 import jaxhead
 
+#: Keys of the arrays a step reads (``PackedBatch.arrays``), besides named ``values``.
+BATCH_KEYS = ("tokens", "positions", "segment_ids", "labels", "loss_mask", "seq_index")
+
 
 @dataclasses.dataclass
 class PackedBatch:
@@ -49,6 +52,13 @@ class PackedBatch:
     def num_kept(self) -> int:
         """Positions any loss reads: the completion tokens' predecessors."""
         return int(np.count_nonzero(self.loss_mask))
+
+    def arrays(self, *value_names: str) -> dict[str, np.ndarray]:
+        """The host arrays a step reads: ``BATCH_KEYS`` plus the named ``values``
+        (``train.placement.place_batch`` puts them on the devices)."""
+        out = {k: getattr(self, k) for k in BATCH_KEYS}
+        out.update({k: self.values[k] for k in value_names})
+        return out
 
     def bucket(self, multiple: int = 128) -> int:
         """The head's static bucket for this batch: ``jaxhead.bucket_size`` with rungs that

@@ -1,9 +1,13 @@
 """Rollouts: jitted KV-cache decoding that samples from the head with jaxhead's chunked
-Gumbel-max (or nucleus sampling) and records each sampled token's log-prob."""
+Gumbel-max (or top-k / top-p / min-p truncated sampling) and records each sampled token's
+log-prob and the support it was drawn from.
+
+A ``Generator`` is built once per run (by ``train.grpo``) and owns its compiled decoders;
+``temperature`` is traced, so greedy and sampled calls share one.
+"""
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -11,12 +15,25 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxhead
-from train import distributed
+from train.placement import to_host
 from train.state import ModelDef, Params
 
-#: Names of the two sampling paths, as reported in training metrics.
-PATH_GUMBEL = "chunked_gumbel_max"
-PATH_TOP_P = "full_logits_top_p"
+#: The ``sampling_path`` metric: which sampler drew a rollout's tokens.
+PATH_GUMBEL = "chunked_gumbel_max"  # jaxhead's chunked Gumbel-max: no [B, V] logits
+PATH_TRUNCATED = "full_logits_truncated"  # top-k / top-p / min-p from full float32 logits
+
+
+class Truncation(NamedTuple):
+    """Truncated sampling settings (``jaxhead.sample``): ``top_k`` (0: off), ``top_p``
+    (1: off), ``min_p`` (0: off); any combination, the support is their intersection."""
+
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.top_k) or self.top_p < 1.0 or self.min_p > 0.0
 
 
 class Rollout(NamedTuple):
@@ -24,16 +41,22 @@ class Rollout(NamedTuple):
 
     Attributes:
       tokens: int32 ``[B, T]`` sampled ids (0 after the stop token).
-      logprobs: float32 ``[B, T]`` sampler log-probs at the sampling temperature (0 after
-        the stop token).
+      logprobs: float32 ``[B, T]`` sampler log-probs at the sampling temperature, on the
+        support each token was drawn from (0 after the stop token).
+      min_logit: float32 ``[B, T]`` that support's threshold on the tempered logits
+        (``jaxhead.Sample.min_logit``; ``-inf``: untruncated or after the stop token).
+      logmass: float32 ``[B, T]`` log of the full softmax's mass on that support (``<= 0``;
+        0 when untruncated): ``logprobs + logmass`` is the full-softmax log-prob.
       lengths: int32 ``[B]`` completion lengths, the stop token included.
       stopped: bool ``[B]``: the completion ended with a stop token (else it hit
         ``max_new_tokens``).
-      path: the sampling path (``PATH_GUMBEL`` or ``PATH_TOP_P``).
+      path: the sampling path (``PATH_GUMBEL`` or ``PATH_TRUNCATED``).
     """
 
     tokens: np.ndarray
     logprobs: np.ndarray
+    min_logit: np.ndarray
+    logmass: np.ndarray
     lengths: np.ndarray
     stopped: np.ndarray
     path: str
@@ -55,21 +78,22 @@ def pad_prompts(prompts: list[list[int]] | list[tuple[int, ...]], multiple: int 
     return out, lens
 
 
-@functools.cache
-def _generator(mdef: ModelDef, max_new_tokens: int, top_p: float | None,
-               stop_ids: tuple[int, ...], num_valid: int):
-    """The jitted decoder; ``temperature`` is a traced argument (greedy and sampled calls
-    share one compiled function), ``top_p`` (None: the chunked Gumbel-max) is static."""
+def _decoder(mdef: ModelDef, max_new_tokens: int, truncated: bool,
+             stop_ids: tuple[int, ...], num_valid: int):
+    """The jitted decoder ``(params, prompts, lens, key, temperature, truncation) ->
+    (tokens, logprobs, min_logit, logmass, lengths, stopped)``; ``temperature`` and the
+    truncation settings are traced (one compile serves every value), ``truncated`` picks
+    the sampler path (False: chunked Gumbel-max, no ``[B, V]`` logits)."""
 
-    def pick(model, hidden, key, temperature):
+    def pick(model, hidden, key, temperature, trunc):
         dtype = model.lm_head.dtype or hidden.dtype
-        w = model.lm_head.weight(dtype)
-        kw = {"temperature": temperature, "softcap": model.lm_head.softcap,
-              "num_valid": num_valid}
-        return jaxhead.sample(hidden.astype(dtype), w, key, top_p=top_p or 1.0, **kw)
+        kw = dict(zip(Truncation._fields, trunc)) if truncated else {}
+        return jaxhead.sample(hidden.astype(dtype), model.lm_head.weight(dtype), key,
+                              temperature=temperature, softcap=model.lm_head.softcap,
+                              num_valid=num_valid, **kw)
 
     @jax.jit
-    def generate(params, prompts, lens, key, temperature):
+    def generate(params, prompts, lens, key, temperature, trunc):
         model = mdef.merge(params)
         batch, width = prompts.shape
         cache = model.init_cache(batch, width + max_new_tokens)
@@ -77,59 +101,89 @@ def _generator(mdef: ModelDef, max_new_tokens: int, top_p: float | None,
         seg = (pos < lens[:, None]).astype(jnp.int32)
         out = model(prompts, pos, seg, cache)
         last = out.hidden[jnp.arange(batch), lens - 1]
-        tok, lp = pick(model, last, jax.random.fold_in(key, 0), temperature)
+        first = pick(model, last, jax.random.fold_in(key, 0), temperature, trunc)
         stops = jnp.asarray(stop_ids, jnp.int32)
-        toks = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(tok)
-        lps = jnp.zeros((batch, max_new_tokens), jnp.float32).at[:, 0].set(lp)
-        done = jnp.isin(tok, stops)
-        carry = (jnp.int32(1), tok, out.cache, toks, lps, done, jnp.ones((batch,), jnp.int32))
+        fill = (0, 0.0, -jnp.inf, 0.0)  # each field's value after the stop token
+        record = tuple(jnp.full((batch, max_new_tokens), f, x.dtype).at[:, 0].set(x)
+                       for f, x in zip(fill, first))
+        done = jnp.isin(first.tokens, stops)
+        carry = (jnp.int32(1), first.tokens, out.cache, record, done,
+                 jnp.ones((batch,), jnp.int32))
 
         def cond(c):
-            return (c[0] < max_new_tokens) & ~jnp.all(c[5])
+            return (c[0] < max_new_tokens) & ~jnp.all(c[4])
 
         def body(c):
-            step, tok, cache, toks, lps, done, length = c
+            step, tok, cache, record, done, length = c
             p = (lens + step - 1)[:, None]
             o = model(tok[:, None], p, jnp.ones_like(p), cache)
-            new, lp = pick(model, o.hidden[:, 0], jax.random.fold_in(key, step), temperature)
-            new = jnp.where(done, 0, new)
-            lp = jnp.where(done, 0.0, lp)
-            toks = toks.at[:, step].set(new)
-            lps = lps.at[:, step].set(lp)
+            new = pick(model, o.hidden[:, 0], jax.random.fold_in(key, step), temperature, trunc)
+            new = tuple(jnp.where(done, f, x) for f, x in zip(fill, new))
+            record = tuple(r.at[:, step].set(x) for r, x in zip(record, new))
             length = length + (~done).astype(jnp.int32)
-            return (step + 1, new, o.cache, toks, lps, done | jnp.isin(new, stops), length)
+            return (step + 1, new[0], o.cache, record, done | jnp.isin(new[0], stops), length)
 
-        _, _, _, toks, lps, done, length = jax.lax.while_loop(cond, body, carry)
-        return toks, lps, length, done
+        _, _, _, record, done, length = jax.lax.while_loop(cond, body, carry)
+        return (*record, length, done)
 
     return generate
 
 
-def generate(mdef: ModelDef, params: Params, prompts, key: jax.Array, *, max_new_tokens: int,
-             temperature: float, stop_ids: tuple[int, ...], num_valid: int,
-             top_p: float = 1.0) -> Rollout:
-    """Sample one completion per prompt with the KV cache.
+class Generator:
+    """Samples completions with the KV cache; built once per run, it owns its compiled
+    decoders (one per sampler path: the chunked Gumbel-max, and the full-logits truncated
+    path when ``truncation`` is active).
 
     Args:
-      mdef, params: the policy.
-      prompts: token id sequences (``B`` of them, any lengths >= 1).
-      key: PRNG key (step ``t`` draws with ``fold_in(key, t)``).
+      mdef: the policy's model definition.
       max_new_tokens: completion budget T.
-      temperature: ``> 0`` samples, 0 is greedy.
       stop_ids: generation of a row ends after any of these.
       num_valid: only ids below it are sampled.
-      top_p: ``< 1`` uses the full-logits nucleus path.
-
-    Returns:
-      ``Rollout`` (host arrays).
+      truncation: top-k / top-p / min-p settings (None: none); used whenever
+        ``temperature > 0`` (greedy is untruncated).
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    padded, lens = pad_prompts(list(prompts))
-    nucleus = top_p < 1.0 and temperature > 0
-    fn = _generator(mdef, max_new_tokens, float(top_p) if nucleus else None, tuple(stop_ids),
-                    int(num_valid))
-    toks, lps, length, done = distributed.to_host(  # every process reads every row
-        fn(params, padded, lens, key, jnp.float32(temperature)))
-    path = PATH_TOP_P if nucleus else PATH_GUMBEL
-    return Rollout(toks, lps, length, done, path)
+
+    def __init__(self, mdef: ModelDef, *, max_new_tokens: int, stop_ids: tuple[int, ...],
+                 num_valid: int, truncation: Truncation | None = None):
+        self.mdef, self.max_new_tokens = mdef, max_new_tokens
+        self.truncation = Truncation() if truncation is None else Truncation(*truncation)
+        self.stop_ids, self.num_valid = tuple(stop_ids), int(num_valid)
+        self._decoders: dict[bool, object] = {}
+
+    def _decoder(self, truncated: bool):
+        if truncated not in self._decoders:
+            self._decoders[truncated] = _decoder(self.mdef, self.max_new_tokens, truncated,
+                                                 self.stop_ids, self.num_valid)
+        return self._decoders[truncated]
+
+    def __call__(self, params: Params, prompts, key: jax.Array, *, temperature: float,
+                 truncation: Truncation | None = None) -> Rollout:
+        """Sample one completion per prompt.
+
+        Args:
+          params: the policy's parameters.
+          prompts: token id sequences (``B`` of them, any lengths >= 1).
+          key: PRNG key (step ``t`` draws with ``fold_in(key, t)``).
+          temperature: ``> 0`` samples, 0 is greedy.
+          truncation: overrides the generator's for this call (same compiled decoder
+            whenever both are active).
+
+        Returns:
+          ``Rollout`` (host arrays; on several processes every process reads every row).
+
+        Raises:
+          ValueError: ``temperature < 0`` or a truncation setting out of range (named).
+        """
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        trunc = self.truncation if truncation is None else Truncation(*truncation)
+        if not 0 <= trunc.top_k or not 0 < trunc.top_p <= 1 or not 0 <= trunc.min_p < 1:
+            raise ValueError(f"truncation out of range: {trunc} (top_k >= 0, "
+                             "0 < top_p <= 1, 0 <= min_p < 1)")
+        padded, lens = pad_prompts(list(prompts))
+        truncated = trunc.active and temperature > 0
+        fn = self._decoder(truncated)
+        args = (jnp.int32(trunc.top_k), jnp.float32(trunc.top_p), jnp.float32(trunc.min_p))
+        out = to_host(  # every process reads every row
+            fn(params, padded, lens, key, jnp.float32(temperature), args))
+        return Rollout(*out, PATH_TRUNCATED if truncated else PATH_GUMBEL)

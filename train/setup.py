@@ -1,17 +1,26 @@
-"""What ``train.sft`` and ``train.grpo`` build from a config: tokenizer, tasks, held-out
-eval set, model definition and initial parameters."""
+"""What ``train.sft`` and ``train.grpo`` build from a config before their loops: tokenizer,
+tasks, held-out eval set, model definition, placement on the mesh, metrics writer, and the
+initial parameters."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from pathlib import Path
 
+import jax
+
 import models
-from train import state
-from train.checkpoint import require_checkpoint
+from train import distributed, state
+from train.checkpoint import check_resumable, require_checkpoint
 from train.data import Problem, Tasks
+from train.metrics import MetricsWriter
+from train.placement import Placement
 from train.tokenizer import Tokenizer, load_tokenizer
+
+#: The stages' checkpoint directories under the workdir.
+SFT_DIR, GRPO_DIR = "sft", "grpo"
 
 
 @dataclasses.dataclass
@@ -23,8 +32,10 @@ class Setup:
       tokenizer, tasks: see ``train.tokenizer`` / ``train.data``.
       eval_problems: the held-out set (distinct questions, eval seed).
       exclude: their question texts (never trained on).
-      mdef: the model definition.
+      mdef: the model definition (its config carries ``mesh.rules``).
       hf_params: parameters of ``model.hf_checkpoint`` (None without one).
+      placement: the mesh and the arrays' shardings (``train.placement``).
+      writer: metrics (``metrics.jsonl`` and TensorBoard in the workdir; process 0 only).
     """
 
     workdir: Path
@@ -34,29 +45,34 @@ class Setup:
     exclude: set[str]
     mdef: state.ModelDef
     hf_params: state.Params | None
+    placement: Placement
+    writer: MetricsWriter
 
 
 def task_specs(data_cfg) -> dict[str, dict]:
-    """``{task: kwargs}`` from ``data.tasks`` (comma-separated) and ``data.task_kwargs``."""
-    names = [n.strip() for n in data_cfg.tasks.split(",") if n.strip()]
+    """``{task: kwargs}`` from ``data.tasks`` (a tuple of names) and ``data.task_kwargs``."""
     kwargs = data_cfg.task_kwargs.to_dict()
-    return {n: dict(kwargs.get(n, {})) for n in names}
+    return {n: dict(kwargs.get(n, {})) for n in data_cfg.tasks}
 
 
 def model_config(cfg) -> models.ModelConfig:
-    """The ``ModelConfig`` of ``cfg.model`` (preset + overrides)."""
+    """The ``ModelConfig`` of ``cfg.model`` (preset + overrides) with the sharding rules
+    of ``cfg.mesh.rules``."""
     m = cfg.model
     return models.get_config(m.preset, dtype=m.dtype, param_dtype=m.param_dtype,
-                             **m.overrides.to_dict())
+                             sharding_rules=cfg.mesh.rules, **m.overrides.to_dict())
 
 
 def build(cfg) -> Setup:
-    """Build the shared pieces of a run from its config.
+    """Build the shared pieces of a run from its config (after ``train.distributed``:
+    the mesh spans every process's devices).
 
     Raises:
       ValueError: unknown task (valid names listed), bad task kwargs, an eval set the task
         space cannot fill.
       FileNotFoundError: a missing ``model.hf_checkpoint`` / ``init.sft_checkpoint`` dir.
+      ValueError: a finished stage in the workdir that kept its final parameters only
+        but now has more steps (``train.checkpoint.check_resumable``).
     """
     workdir = Path(cfg.workdir).absolute()
     tok = load_tokenizer(cfg.tokenizer or cfg.model.hf_checkpoint)
@@ -65,10 +81,13 @@ def build(cfg) -> Setup:
                   stop_at_close_tag=cfg.data.stop_at_close_tag)
     if cfg.init.sft_checkpoint:
         require_checkpoint(cfg.init.sft_checkpoint)  # fail early, before any work
+    check_resumable(workdir / SFT_DIR, cfg.sft.steps)
+    check_resumable(workdir / GRPO_DIR, cfg.train.steps)
     hf_params = None
     if cfg.model.hf_checkpoint:
         mdef, hf_params = state.load_hf(cfg.model.hf_checkpoint, dtype=cfg.model.dtype,
                                         param_dtype=cfg.model.param_dtype)
+        mdef = state.ModelDef.of(mdef.cfg.replace(sharding_rules=cfg.mesh.rules))
     else:
         mdef = state.ModelDef.of(model_config(cfg))
     if cfg.model.remat and not mdef.cfg.remat:
@@ -77,13 +96,19 @@ def build(cfg) -> Setup:
         raise ValueError(f"tokenizer has {tok.num_valid} tokens but the model's vocabulary "
                          f"is {mdef.cfg.vocab_size}")
     problems = tasks.eval_set(cfg.eval.size, cfg.data.eval_seed)
+    placement = Placement.from_config(cfg, mdef)
+    writer = MetricsWriter(workdir / "metrics.jsonl", enabled=jax.process_index() == 0,
+                           tensorboard=cfg.metrics.tensorboard)
     return Setup(workdir, tok, tasks, problems, {p.question for p in problems}, mdef,
-                 hf_params)
+                 hf_params, placement, writer)
 
 
-def build_or_exit(cfg) -> Setup:
-    """``build(cfg)``; a bad config (unknown task, missing checkpoint directory, ...) exits
-    with status 1 and a one-line ``error: ...`` on stderr instead of a traceback."""
+def start(cfg) -> Setup:
+    """The preamble of both entry points: ``jax.distributed`` when the run spans several
+    processes (before any other JAX call), then ``build``; a bad config (unknown task,
+    missing checkpoint directory, a mesh that does not fit the devices, ...) exits with
+    status 1 and a one-line ``error: ...`` on stderr instead of a traceback."""
+    distributed.initialize(cfg)
     try:
         return build(cfg)
     except (ValueError, FileNotFoundError) as err:  # models.CheckpointError is a ValueError
@@ -91,13 +116,50 @@ def build_or_exit(cfg) -> Setup:
         sys.exit(1)
 
 
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.2f}M"
+
+
+def banner(cfg, s: Setup, entry: str, config_file: str | None = None) -> str:
+    """The few lines a run prints at start: config file and run directory, devices and
+    mesh, model size, task, held-out set size and the stages' lengths."""
+    mesh = s.placement.mesh
+    devices = jax.devices()
+    sizes = {k: math.prod(a.shape) for k, a in s.mdef.abstract_params().items()}
+    head = sum(v for k, v in sizes.items() if k.startswith(("embed_tokens.", "lm_head.")))
+    m = s.mdef.cfg
+    source = cfg.model.hf_checkpoint or f"preset {cfg.model.preset}"
+    kwargs = cfg.data.task_kwargs.to_dict()
+    tasks = ", ".join(f"{t} {kwargs[t]}" if kwargs.get(t) else t for t in cfg.data.tasks)
+    stages = []
+    if entry == "train.sft" or (cfg.sft.steps > 0 and not cfg.init.sft_checkpoint):
+        stages.append(f"SFT {cfg.sft.steps} steps x {cfg.sft.batch_size} sequences")
+    elif cfg.init.sft_checkpoint:
+        stages.append(f"warm start {cfg.init.sft_checkpoint}")
+    if entry == "train.grpo":
+        r = cfg.rollout
+        stages.append(f"GRPO {cfg.train.steps} steps x {r.prompts_per_step} prompts x "
+                      f"{r.group_size} samples")
+    return "\n".join([
+        f"{entry}: config {config_file or '(given)'}, run directory {s.workdir}",
+        (f"devices: {len(devices)} x {devices[0].device_kind} in {jax.process_count()} "
+         "process(es), mesh " + " x ".join(f"{a}={n}" for a, n in mesh.shape.items())),
+        (f"model: {source}, {_millions(sum(sizes.values()))} parameters "
+         f"({_millions(head)} in the embedding / head), depth {m.num_hidden_layers}, "
+         f"width {m.hidden_size}, vocabulary {m.vocab_size:,}, {m.param_dtype} parameters, "
+         f"{m.dtype} compute"),
+        f"task: {tasks}; {len(s.eval_problems):,} held-out problems; " + ", then ".join(stages),
+    ])
+
+
 def initial_params(cfg, s: Setup) -> state.Params:
-    """Params to start from: ``init.sft_checkpoint`` (its latest step), the HF checkpoint,
-    or a random init with ``cfg.seed``."""
+    """Params to start from, in the placement's layout: ``init.sft_checkpoint`` (its
+    latest step, restored into the shardings), the HF checkpoint (placed), or a random
+    init with ``cfg.seed`` (created sharded)."""
     if cfg.init.sft_checkpoint:
         ckpt = require_checkpoint(cfg.init.sft_checkpoint)
-        items, _ = ckpt.restore({"params": s.mdef.abstract_params()})
+        items, _ = ckpt.restore({"params": s.placement.abstract_params()})
         return items["params"]
     if s.hf_params is not None:
-        return s.hf_params
-    return state.init_params(s.mdef, cfg.seed)
+        return s.placement.place_params(s.hf_params)
+    return s.placement.init_params(cfg.seed)

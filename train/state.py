@@ -1,7 +1,9 @@
 """Functional view of a ``models.Transformer``: a static ``ModelDef`` plus a flat dict of
 parameter arrays, which optax updates and orbax checkpoints directly.
 
-Parameter keys are the NNX paths joined with dots (``"layers.0.self_attn.q_proj"``).
+Parameter keys are the NNX paths joined with dots (``"layers.0.self_attn.q_proj"``,
+``param_key``). Random initial parameters come from ``train.placement.Placement.init_params``
+(``models.init_sharded``, one ``jit``, directly in the mesh layout).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import models
 Params = dict[str, jax.Array]
 
 
-def _key(path) -> str:
+def param_key(path) -> str:
+    """The flat parameter key of an NNX path: its parts joined with dots."""
     return ".".join(map(str, path))
 
 
@@ -39,30 +42,28 @@ class ModelDef:
         return cls(cfg, graphdef, tuple(p for p, _ in nnx.to_flat_state(params)))
 
     def merge(self, params: Params) -> models.Transformer:
-        state = nnx.from_flat_state([(p, params[_key(p)]) for p in self.paths])
+        state = nnx.from_flat_state([(p, params[param_key(p)]) for p in self.paths])
         return nnx.merge(self.graphdef, state)
+
+    def abstract_model(self) -> models.Transformer:
+        """The model with ``jax.ShapeDtypeStruct`` values (nothing allocated)."""
+        return nnx.eval_shape(lambda: models.Transformer(self.cfg, rngs=nnx.Rngs(0)))
 
     def abstract_params(self) -> Params:
         """``jax.ShapeDtypeStruct`` of every parameter (for checkpoint restore)."""
-        model = nnx.eval_shape(lambda: models.Transformer(self.cfg, rngs=nnx.Rngs(0)))
-        return {_key(p): jax.ShapeDtypeStruct(v.shape, v.dtype)
-                for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+        return {param_key(p): jax.ShapeDtypeStruct(v.shape, v.dtype)
+                for p, v in nnx.to_flat_state(nnx.state(self.abstract_model(), nnx.Param))}
+
+    def logical_axes(self) -> dict[str, tuple[str, ...]]:
+        """Parameter key -> logical axis names (``models.logical_axes``), which
+        ``cfg.sharding_rules`` map to mesh axes."""
+        return {param_key(p): names
+                for p, names in models.logical_axes(self.abstract_model()).items()}
 
 
 def params_of(model: nnx.Module) -> Params:
     """The flat parameter dict of a built model."""
-    return {_key(p): v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-
-
-def init_params(mdef: ModelDef, seed: int) -> Params:
-    """Random initial parameters, initialised inside one ``jit`` (eager NNX init runs one
-    dispatch per initialiser and is several times slower)."""
-
-    @jax.jit
-    def init():
-        return params_of(models.Transformer(mdef.cfg, rngs=nnx.Rngs(seed)))
-
-    return init()
+    return {param_key(p): v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
 def load_hf(path, *, dtype: str, param_dtype: str) -> tuple[ModelDef, Params]:
@@ -77,7 +78,3 @@ def load_hf(path, *, dtype: str, param_dtype: str) -> tuple[ModelDef, Params]:
     model = models.load_model(path, dtype=dtype, param_dtype=param_dtype)
     return ModelDef.of(model.cfg), params_of(model)
 
-
-def count_params(params: Params) -> int:
-    """Total number of parameter elements."""
-    return sum(int(v.size) for v in params.values())

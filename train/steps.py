@@ -1,35 +1,33 @@
 """Jitted steps: supervised (CE) update, GRPO update, reference log-probs.
 
-Every log-prob comes from ``Transformer.token_logprobs`` (jaxhead) on the kept tokens:
-``keep = keep_mask(loss_mask=...)``, compacted into the static ``bucket`` the host picked
-(``PackedBatch.bucket()``). With ``skip=False`` the head runs on every position
-(``keep=None``; labels without a next token are replaced by 0 and masked out of the
-loss): the A/B switch, same loss and gradients, more FLOPs.
+Every log-prob comes from ``Transformer.token_logprobs`` (jaxhead; per token shard under a
+multi-device mesh) on the kept tokens: ``keep = keep_mask(loss_mask=...)``, compacted into
+the static ``bucket`` the host picked (``Placement.bucket``). With ``skip=False`` the head
+runs on every position (``keep=None``; labels without a next token are replaced by 0 and
+masked out of the loss): the A/B switch, same loss and gradients, more FLOPs. A batch
+that carries ``min_logit`` (truncated rollouts scored on the sampler's support,
+``loss.logprob_support``) restricts each completion token's softmax, the policy's and the
+reference's, to ``{v : tempered logit >= min_logit}``: for the policy that is the support
+the token was drawn from; the reference is scored at the same threshold on its own logits
+(the same support while it is near the policy, exact at the first step).
+
+The factories below build (trace lazily, compile on first call) one jitted function each;
+a trainer calls each factory once per run and keeps the result (nothing is cached here,
+so a function and its compiled variants live as long as the run that owns them). The
+batch ``b`` is ``train.placement.place_batch(packed.arrays(...), mesh)``.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 import optax
 
 import jaxhead
-from train import distributed, rl_loss
+from train import rl_loss
 from train.optim import is_frozen
-from train.packing import PackedBatch
+from train.placement import Placement
 from train.state import ModelDef, Params
-
-#: Keys of the device batch built by ``device_batch``.
-BATCH_KEYS = ("tokens", "positions", "segment_ids", "labels", "loss_mask", "seq_index")
-
-
-def device_batch(batch: PackedBatch, *value_names: str) -> dict[str, jax.Array]:
-    """The arrays a step reads: ``BATCH_KEYS`` plus the named ``batch.values``."""
-    out = {k: jnp.asarray(getattr(batch, k)) for k in BATCH_KEYS}
-    out.update({k: jnp.asarray(batch.values[k]) for k in value_names})
-    return out
 
 
 def _stop_frozen(params: Params, frozen: tuple[str, ...]) -> Params:
@@ -41,20 +39,28 @@ def _stop_frozen(params: Params, frozen: tuple[str, ...]) -> Params:
             for k, v in params.items()}
 
 
-def _head(mdef: ModelDef, params: Params, b, *, skip: bool, bucket: int, temperature: float,
-          with_entropy: bool, frozen: tuple[str, ...] = ()):
-    """``(HeadOutput, aux_loss)`` of the policy on the batch (see the module docstring)."""
-    model = mdef.merge(_stop_frozen(params, frozen))
+def _head_args(b, *, skip: bool, bucket: int) -> dict:
+    """``labels``, ``keep`` and ``bucket`` of ``Transformer.token_logprobs`` for a batch:
+    the kept tokens only (``skip``), or every position."""
     if skip:
         keep = jaxhead.keep_mask(loss_mask=b["loss_mask"], segment_ids=b["segment_ids"],
                                  aligned_to="predictions")
-        labels = b["labels"]
-    else:
-        keep, bucket = None, None
-        labels = jnp.where(b["labels"] >= 0, b["labels"], 0)
-    return distributed.token_logprobs(model, b["tokens"], b["positions"], b["segment_ids"],
-                                      labels, keep, temperature=temperature,
-                                      with_entropy=with_entropy, bucket=bucket)
+        return {"labels": b["labels"], "keep": keep, "bucket": bucket}
+    return {"labels": jnp.where(b["labels"] >= 0, b["labels"], 0), "keep": None,
+            "bucket": None}
+
+
+def _policy(mdef: ModelDef, params: Params, b, *, skip: bool, bucket: int, temperature: float,
+            with_entropy: bool, frozen: tuple[str, ...] = ()):
+    """``(HeadOutput, aux_loss)`` of ``params`` on the batch (``Transformer.token_logprobs``)."""
+    model = mdef.merge(_stop_frozen(params, frozen))
+    min_logit = None  # the rollouts' truncated support, when the batch carries it
+    if "min_logit" in b:
+        min_logit = jnp.where(b["loss_mask"] > 0, b["min_logit"], -jnp.inf)
+    return model.token_logprobs(b["tokens"], b["positions"], b["segment_ids"],
+                                **_head_args(b, skip=skip, bucket=bucket),
+                                temperature=temperature, with_entropy=with_entropy,
+                                min_logit=min_logit)
 
 
 def _aux_weight(mdef: ModelDef) -> float:
@@ -66,21 +72,29 @@ def _apply(tx, params, opt_state, grads):
     return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
 
-@functools.cache
-def sft_step(mdef: ModelDef, tx: optax.GradientTransformation, skip: bool = True,
-             frozen: tuple[str, ...] = (), placement=None):
+def _jit(fn, placement: Placement | None, out_shardings=None, **jit_kwargs):
+    """``jax.jit`` (no placement) or ``placement.jit`` with ``out_shardings()``."""
+    if placement is None:
+        return jax.jit(fn, **jit_kwargs)
+    return placement.jit(fn, out_shardings=out_shardings and out_shardings(), **jit_kwargs)
+
+
+def sft_step(mdef: ModelDef, tx: optax.GradientTransformation,
+             placement: Placement | None = None, *, skip: bool = True,
+             frozen: tuple[str, ...] = ()):
     """Jitted ``(params, opt_state, batch, bucket) -> (params, opt_state, metrics)``.
 
     Loss: ``-sum(w logp) / sum(w)`` with CE weights ``w = loss_mask`` (completion tokens),
     plus the MoE load-balancing loss weighted by ``router_aux_loss_coef``. ``bucket`` is
-    static. Metrics: ``loss``, ``nll`` (nats per completion token), ``grad_norm``.
-    ``frozen``: parameter-name prefixes without gradient (``optim.frozen``).
-    ``placement``: a ``train.distributed.Placement`` (None: one device).
+    static; ``params`` and ``opt_state`` are donated. Metrics: ``loss``, ``nll`` (nats per
+    completion token), ``grad_norm``. ``frozen``: parameter-name prefixes without gradient
+    (``optim.frozen``). ``placement``: the run's ``train.placement.Placement`` (None: one
+    device).
     """
 
     def loss_fn(params, b, bucket):
-        head, aux = _head(mdef, params, b, skip=skip, bucket=bucket, temperature=1.0,
-                          with_entropy=False, frozen=frozen)
+        head, aux = _policy(mdef, params, b, skip=skip, bucket=bucket, temperature=1.0,
+                            with_entropy=False, frozen=frozen)
         w = b["loss_mask"]
         nll = -(head.logprobs * w).sum() / jnp.maximum(w.sum(), 1.0)
         return nll + _aux_weight(mdef) * aux, nll
@@ -90,35 +104,34 @@ def sft_step(mdef: ModelDef, tx: optax.GradientTransformation, skip: bool = True
         params, opt_state, gnorm = _apply(tx, params, opt_state, grads)
         return params, opt_state, {"loss": loss, "nll": nll, "grad_norm": gnorm}
 
-    return distributed.jit_step(step, placement, distributed.update_shardings(tx),
-                                static_argnames="bucket", donate_argnums=(0, 1))
+    return _jit(step, placement, lambda: placement.update_shardings(tx),
+                static_argnames="bucket", donate_argnums=(0, 1))
 
 
-@functools.cache
-def reference_logprobs(mdef: ModelDef, temperature: float, skip: bool = True,
-                       placement=None):
+def reference_logprobs(mdef: ModelDef, placement: Placement | None = None, *,
+                       temperature: float, skip: bool = True):
     """Jitted ``(params, batch, bucket) -> float32 [R, L]`` log-probs of the kept tokens
     (0 elsewhere) under ``params`` at ``temperature``: the frozen reference model's
-    forward, through jaxhead on the kept tokens only (no logits kept). ``placement``: as
-    ``grpo_step``."""
+    forward, through jaxhead on the kept tokens only (no logits kept). ``bucket`` is
+    static; ``placement``: as ``sft_step``."""
 
     def ref(params, b, bucket):
-        head, _ = _head(mdef, params, b, skip=skip, bucket=bucket, temperature=temperature,
-                        with_entropy=False)
+        head, _ = _policy(mdef, params, b, skip=skip, bucket=bucket, temperature=temperature,
+                          with_entropy=False)
         return head.logprobs * b["loss_mask"]
 
-    return distributed.jit_step(ref, placement, lambda p: p.batch, static_argnames="bucket")
+    return _jit(ref, placement, lambda: placement.batch, static_argnames="bucket")
 
 
 def grpo_loss_fn(mdef: ModelDef, loss_cfg: rl_loss.LossConfig, temperature: float,
                  skip: bool, frozen: tuple[str, ...] = ()):
     """``(params, batch, ref_logp, num_seqs, bucket) -> (loss, (metrics, logp))``, the
     differentiable GRPO objective on a packed batch whose values hold ``old_logp`` and
-    ``advantages``."""
+    ``advantages`` (``train.rl_loss.grpo_loss`` plus the MoE load-balancing loss)."""
 
     def loss_fn(params, b, ref_logp, num_seqs, bucket):
-        head, aux = _head(mdef, params, b, skip=skip, bucket=bucket, temperature=temperature,
-                          with_entropy=True, frozen=frozen)
+        head, aux = _policy(mdef, params, b, skip=skip, bucket=bucket,
+                            temperature=temperature, with_entropy=True, frozen=frozen)
         loss, metrics = rl_loss.grpo_loss(
             loss_cfg, head.logprobs, b["old_logp"], b["advantages"], b["loss_mask"],
             b["seq_index"], num_seqs, ref_logp=ref_logp, entropy=head.entropy)
@@ -127,20 +140,19 @@ def grpo_loss_fn(mdef: ModelDef, loss_cfg: rl_loss.LossConfig, temperature: floa
     return loss_fn
 
 
-@functools.cache
 def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_loss.LossConfig,
-              temperature: float, skip: bool = True, frozen: tuple[str, ...] = (),
-              placement=None):
+              placement: Placement | None = None, *, temperature: float, skip: bool = True,
+              frozen: tuple[str, ...] = ()):
     """Jitted ``(params, opt_state, batch, ref_logp | None, num_seqs, bucket) ->
-    (params, opt_state, metrics)``; ``num_seqs`` and ``bucket`` are static.
+    (params, opt_state, metrics)``; ``num_seqs`` and ``bucket`` are static, ``params``
+    and ``opt_state`` donated.
 
     Besides ``grpo_loss``'s metrics: ``loss``, ``grad_norm`` and the sampler-vs-trainer
     log-prob gap on the completion tokens before the update (``logprob_diff_mean``,
     ``logprob_diff_max``: ``|logp_trainer - logp_sampler|``).
 
-    ``placement``: a multi-device ``train.distributed.Placement`` compiles the step with
-    its out-shardings under its mesh (batch from ``placement.device_batch``, bucket from
-    ``placement.bucket``); None: one device.
+    ``placement``: a multi-device ``train.placement.Placement`` compiles the step with
+    its out-shardings under its mesh; None or one device: plain ``jax.jit``.
     """
     loss_fn = grpo_loss_fn(mdef, loss_cfg, temperature, skip, frozen)
 
@@ -155,5 +167,5 @@ def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_los
                    "logprob_diff_max": gap.max()}
         return params, opt_state, metrics
 
-    return distributed.jit_step(step, placement, distributed.update_shardings(tx),
-                                static_argnames=("num_seqs", "bucket"), donate_argnums=(0, 1))
+    return _jit(step, placement, lambda: placement.update_shardings(tx),
+                static_argnames=("num_seqs", "bucket"), donate_argnums=(0, 1))

@@ -84,13 +84,14 @@ class LMHead(nnx.Module):
         temperature=1.0,
         with_entropy: bool = True,
         bucket: int | None = None,
+        min_logit=None,
     ) -> HeadOutput:
         """``jaxhead.token_logprobs(hidden, weight, labels, keep, ...)``; see there."""
         dtype = self.dtype or hidden.dtype
         return token_logprobs(
             hidden.astype(dtype), self.weight(dtype), labels, keep,
             temperature=temperature, softcap=self.softcap, with_entropy=with_entropy,
-            bucket=bucket, impl=self.impl, config=self.config,
+            bucket=bucket, min_logit=min_logit, impl=self.impl, config=self.config,
         )
 
     def sharded(
@@ -105,6 +106,7 @@ class LMHead(nnx.Module):
         temperature=1.0,
         with_entropy: bool = True,
         bucket: int | None = None,
+        min_logit=None,
     ) -> HeadOutput:
         """``jaxhead.sharded_token_logprobs`` with this head's weight and settings: tokens
         split over ``token_axes`` of ``mesh`` (None: the mesh set with ``jax.set_mesh``),
@@ -115,7 +117,7 @@ class LMHead(nnx.Module):
             hidden.astype(dtype), self.weight(dtype), labels, keep, mesh=mesh,
             token_axes=token_axes, vocab_axis=vocab_axis, bucket=bucket,
             temperature=temperature, softcap=self.softcap, with_entropy=with_entropy,
-            impl=self.impl, config=self.config,
+            min_logit=min_logit, impl=self.impl, config=self.config,
         )
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -66,6 +66,11 @@ from jaxhead._src.types import Sample
 DEFAULT_VOCAB_CHUNK = 8192
 
 
+def _static(x) -> bool:
+    """A Python number (checked and branched on at trace time), not an array."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _check(hidden, weight, num_valid, temperature, top_k, top_p, min_p):
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[0]:
         raise ValueError(
@@ -76,13 +81,13 @@ def _check(hidden, weight, num_valid, temperature, top_k, top_p, min_p):
     num_valid = vocab if num_valid is None else int(num_valid)
     if not 0 < num_valid <= vocab:
         raise ValueError(f"num_valid must be in [1, V={vocab}], got {num_valid}")
-    if isinstance(temperature, (int, float)) and not temperature >= 0:
+    if _static(temperature) and not temperature >= 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= vocab:
+    if isinstance(top_k, (bool, float)) or (_static(top_k) and not 0 <= top_k <= vocab):
         raise ValueError(f"top_k must be an int in [0, V={vocab}] (0: off), got {top_k!r}")
-    if not 0 < top_p <= 1:
+    if _static(top_p) and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (1: off), got {top_p!r}")
-    if not 0 <= min_p < 1:
+    if _static(min_p) and not 0 <= min_p < 1:
         raise ValueError(f"min_p must be in [0, 1) (0: off), got {min_p!r}")
     return num_valid
 
@@ -218,20 +223,24 @@ def _largest_threshold(l, weight, target):
 
 
 def _threshold(l, eligible, top_k, top_p, min_p):
-    """Per-row ``tau`` ``[B, 1]`` of the tempered logits ``l`` (see the module docstring)."""
+    """Per-row ``tau`` ``[B, 1]`` of the tempered logits ``l`` (see the module docstring).
+    The three settings may be traced: a disabled one costs nothing (``lax.cond``)."""
     masked = jnp.where(eligible, l, -jnp.inf)
+    top_k, top_p = jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32)
+    min_p = jnp.asarray(min_p, jnp.float32)
+    none = jnp.full((l.shape[0], 1), -jnp.inf, jnp.float32)
     alive = (masked > -jnp.inf).astype(jnp.float32)
-    tau = jnp.full((l.shape[0], 1), -jnp.inf, jnp.float32)
-    if top_k:
-        tau = _largest_threshold(masked, alive, jnp.float32(top_k))
-    if top_p < 1:
-        m = jnp.max(masked, axis=1, keepdims=True)
+    tau = lax.cond(top_k > 0, lambda: _largest_threshold(masked, alive, top_k.astype(jnp.float32)),
+                   lambda: none)
+    m = jnp.max(masked, axis=1, keepdims=True)
+
+    def nucleus():
         p = jnp.where(masked >= tau, jnp.exp(masked - m), 0.0)  # the top-k set
         target = top_p * jnp.sum(p, axis=1, keepdims=True)
-        tau = jnp.maximum(tau, _largest_threshold(masked, p, target))
-    if min_p > 0:
-        tau = jnp.maximum(tau, jnp.max(masked, axis=1, keepdims=True) + jnp.log(min_p))
-    return tau
+        return jnp.maximum(tau, _largest_threshold(masked, p, target))
+
+    tau = lax.cond(top_p < 1, nucleus, lambda: tau)
+    return jnp.where(min_p > 0, jnp.maximum(tau, m + jnp.log(min_p)), tau)
 
 
 def _truncated(hidden, weight, seeds, it, sampled, softcap, num_valid, top_k, top_p, min_p):
@@ -261,9 +270,9 @@ def sample(
     key: jax.Array,
     *,
     temperature=1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
     softcap: float | None = None,
     num_valid: int | None = None,
     vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
@@ -281,6 +290,9 @@ def sample(
       top_k: keep the ``top_k`` most likely ids (ties at the k-th included); 0: off.
       top_p: keep the smallest most-likely set whose mass reaches ``top_p``; 1: off.
       min_p: keep ids at least ``min_p`` times as likely as the most likely; 0: off.
+        Each of the three is a Python number or a traced scalar: with Python numbers that
+        all say off, the chunked untruncated path runs; otherwise the full-logits one
+        (so one compiled function serves every truncation setting).
       softcap: soft-cap ``c`` of the head (``z = c tanh(u / c)``) or None.
       num_valid: only ids ``< num_valid`` are drawn (None: all V).
       vocab_chunk: columns per tile of the untruncated path.
@@ -296,7 +308,8 @@ def sample(
     inv_temp, sampled = _inv_temp(temperature)
     it = jnp.full((hidden.shape[0], 1), inv_temp)
     seeds = jax.random.bits(key, (hidden.shape[0], 2), jnp.uint32)
-    if top_k or top_p < 1 or min_p > 0:
+    off = all(_static(x) for x in (top_k, top_p, min_p)) and not (top_k or top_p < 1 or min_p)
+    if not off:
         return _truncated(hidden, weight, seeds, it, sampled, softcap, num_valid, top_k,
                           top_p, min_p)
     return _chunked(hidden, weight, seeds, it, sampled, softcap, num_valid, vocab_chunk)

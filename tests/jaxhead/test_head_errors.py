@@ -104,6 +104,22 @@ def test_ignore_index_labels_are_not_kept_without_a_keep_mask():
         jaxhead.token_logprobs(hidden, weight, labels.at[0, 1].set(-7))
     with pytest.raises(ValueError, match="2 kept label"):
         jaxhead.token_logprobs(hidden, weight, labels, ignore_index=None)
+    # traced labels, no bucket: rows run in order (no [N, H] gather/scatter), outputs and
+    # gradients exactly 0 on the ignored rows; with a bucket, compacted: same numbers
+    def loss(h, w, y, bucket=None):
+        out = jaxhead.token_logprobs(h, w, y, bucket=bucket)
+        return jnp.sum(out.logprobs) + 0.3 * jnp.sum(out.entropy), out
+
+    for bucket in (None, 4):
+        (_, out), (dh, dw) = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True),
+                                     static_argnums=3)(hidden, weight, labels, bucket)
+        chex.assert_trees_all_close(out, want, atol=1e-6)
+        (_, _), (dh_want, dw_want) = jax.value_and_grad(
+            lambda h, w: (lambda o: (jnp.sum(o.logprobs) + 0.3 * jnp.sum(o.entropy), o))(
+                jaxhead.token_logprobs(h, w, labels, valid)), (0, 1), has_aux=True)(
+            hidden, weight)
+        assert np.all(np.asarray(dh)[:, -1] == 0), bucket
+        chex.assert_trees_all_close((dh, dw), (dh_want, dw_want), atol=1e-5)
 
 
 def test_a_transposed_weight_is_named():

@@ -22,92 +22,15 @@ import jaxhead
 from jaxhead._src.head import xla
 from jaxhead._src.head.base import HeadSpec
 from jaxhead._src.head.scan import Tuning
-from tests.support.oracle import grads64, head_inputs, ref64, weighted_loss
-
-KERNELS = {"pallas_tpu": jaxhead.PallasTpuConfig(16, 256),
-           "pallas_triton": jaxhead.PallasTritonConfig(16, 256, 32, num_warps=4, num_stages=2)}
-IMPLS = ["xla", "xla_cpu", "pallas_tpu", "pallas_triton", "vocab_parallel"]
-
-
-def _vocab_parallel(hidden, weight, labels, keep=None, *, temperature=1.0, softcap=None,
-                    min_logit=None, shards=2):
-    """The XLA head in vocab-parallel mode, ``jax.vmap`` with an axis name standing in for
-    a mesh axis of ``shards`` devices; the same contract as ``jaxhead.token_logprobs``."""
-    n, (h, v) = labels.shape[0], weight.shape
-    spec = HeadSpec(n, h, v, jnp.dtype(hidden.dtype).name, softcap, True, "v", shards,
-                    truncated=min_logit is not None)
-    plan, padded = xla.make_plan(jaxhead.XlaConfig(token_chunk=16, vocab_chunk=96), spec,
-                                 Tuning())
-    pad = padded - n
-    inv_temp = jnp.pad(jnp.broadcast_to(1.0 / jnp.asarray(temperature, jnp.float32), (n,)),
-                       (0, pad), constant_values=1.0)
-    w_shards = weight.reshape(h, shards, v // shards).transpose(1, 0, 2)
-    ml = jnp.full((n,), -jnp.inf) if min_logit is None else jnp.asarray(min_logit, jnp.float32)
-    ml = jnp.pad(ml, (0, pad), constant_values=-jnp.inf)
-
-    def one(w):
-        return xla.chunked_head(plan, jnp.pad(hidden, ((0, pad), (0, 0))), w,
-                                jnp.pad(labels, (0, pad)), inv_temp, ml)
-
-    logp, ent = jax.vmap(one, axis_name="v")(w_shards)
-    return jaxhead.HeadOutput(logp[0, :n], ent[0, :n])
-
-
-def head(impl: str):
-    """``head(hidden, weight, labels, keep=None, **kw) -> HeadOutput`` for ``impl``."""
-    if impl == "vocab_parallel":
-        return _vocab_parallel
-    if impl in KERNELS:
-        def kernel(*args, **kw):
-            with jaxhead.pallas_interpret():
-                return jaxhead.token_logprobs(*args, config=KERNELS[impl], **kw)
-        return kernel
-    config = {"xla": jaxhead.XlaConfig, "xla_cpu": jaxhead.XlaCpuConfig}[impl]
-    return lambda *args, **kw: jaxhead.token_logprobs(
-        *args, config=config(token_chunk=16, vocab_chunk=96), **kw)
-
-
-def _plain32(hidden, weight, labels, keep=None, **kw):
-    """The plain float32 full-logits head (what naive JAX code does)."""
-    return jaxhead.reference_token_logprobs(hidden, weight, labels, keep, **kw)
-
-
-def _max_abs(a, b) -> float:
-    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
-
-
-def _rel(a, ref) -> float:
-    return _max_abs(a, ref) / float(np.max(np.abs(ref)))
-
-
-def logit_rounding(hidden, weight, temperature=1.0) -> float:
-    """Largest float32 rounding of the tempered logits (``jnp.dot`` vs float64): what no
-    float32 implementation gets below."""
-    t = np.float64(np.float32(temperature))
-    exact = np.asarray(hidden, np.float64) @ np.asarray(weight, np.float64) / t
-    return _max_abs(jnp.dot(hidden, weight) * np.float32(1.0 / np.float32(temperature)), exact)
+from tests.support.oracle import grads64, head_inputs, max_abs, max_rel, ref64, weighted_loss
+from tests.support.precision import IMPLS, errors, head, logit_rounding
 
 
 def check(impl, hidden, weight, labels, *, logp_bound=2e-6, grad_bound=1e-5, **kw):
     """Log-probs, entropy and the gradients of ``sum(g logp) + sum(e entropy)`` of ``impl``
     against float64, each within its bound, or twice the plain float32 head's error, or (the
     log-probs) twice the float32 rounding of the logits plus one ulp of the value."""
-    n = labels.shape[0]
-    g = jax.random.normal(jax.random.key(1), (n,))
-    e = jax.random.normal(jax.random.key(2), (n,))
-    ref_lp, ref_ent = ref64(hidden, weight, labels, **kw)
-    ref_grads = grads64(weighted_loss(jaxhead.reference_token_logprobs, g, e, **kw),
-                        hidden, weight, labels)
-    results = {}
-    for name, fn in (("impl", head(impl)), ("plain", _plain32)):
-        out = fn(hidden, weight, labels, **kw)
-        grads = jax.grad(weighted_loss(fn, g, e, **kw), (0, 1))(hidden, weight, labels)
-        results[name] = {"logp": _max_abs(out.logprobs, ref_lp),
-                         "entropy": _max_abs(out.entropy, ref_ent),
-                         "dh": _rel(grads[0], ref_grads[0]), "dw": _rel(grads[1], ref_grads[1])}
-    got, plain = results["impl"], results["plain"]
-    floor = 2 * logit_rounding(hidden, weight, kw.get("temperature", 1.0))
-    floor += np.spacing(np.float32(np.max(np.abs(ref_lp))))
+    got, plain, floor = errors(impl, hidden, weight, labels, **kw)
     bounds = {"logp": max(logp_bound, floor), "entropy": max(logp_bound, floor),
               "dh": grad_bound, "dw": grad_bound}
     for key, bound in bounds.items():
@@ -181,7 +104,7 @@ def test_sampler_logprobs(temperature, shift):
         plain = jaxhead.reference_token_logprobs(hidden, weight, out.tokens, temperature=t,
                                                  min_logit=ml).logprobs
         floor = 2 * logit_rounding(hidden, weight, t) + np.spacing(np.float32(np.abs(ref).max()))
-        assert _max_abs(out.logprobs, ref) <= max(2e-6, 2 * _max_abs(plain, ref), floor), kw
+        assert max_abs(out.logprobs, ref) <= max(2e-6, 2 * max_abs(plain, ref), floor), kw
 
 
 def test_the_checks_can_fail():
@@ -196,9 +119,9 @@ def test_the_checks_can_fail():
     old_dw = hidden.T @ (onehot - jnp.exp(z - logz))  # d sum(logp) / dW, the old way
     ref = grads64(weighted_loss(jaxhead.reference_token_logprobs, jnp.ones((2,)), None),
                   hidden, weight, labels)[1]
-    assert _rel(old_dw, ref) > 1e-5
+    assert max_rel(old_dw, ref) > 1e-5
     new = jax.grad(weighted_loss(head("xla"), jnp.ones((2,)), None), 1)(hidden, weight, labels)
-    assert _rel(new, ref) <= 1e-6
+    assert max_rel(new, ref) <= 1e-6
 
 
 def test_entropy_of_a_distribution_with_impossible_ids_is_finite():

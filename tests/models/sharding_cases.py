@@ -22,7 +22,8 @@ from models import experts as experts_lib
 from models.mesh import BATCH_AXES, batch_sharding, make_mesh, present
 from tests.support.models import random_model
 from tests.support.oracle import head_inputs, max_abs
-from train.distributed import initialize_distributed, shard_batch
+from train.distributed import initialize_distributed
+from train.placement import place_batch
 
 MOE_MESH = {"data": 2, "expert": 4}
 
@@ -37,7 +38,7 @@ def compare_on_mesh(step, state, batch, mesh_config, reference=None):
       state: an ``nnx.State`` (model parameters, optimizer state, ...) whose variables
         carry logical axes.
       batch: pytree of host arrays ``[B, ...]``.
-      mesh_config: ``jaxhead.mesh.MeshConfig`` fields, e.g. ``{"data": 2, "expert": 4}``.
+      mesh_config: ``models.mesh.MeshConfig`` fields, e.g. ``{"data": 2, "expert": 4}``.
       reference: the single-device step, ``jax.jit`` without a mesh (default ``step``).
 
     Returns:
@@ -48,7 +49,7 @@ def compare_on_mesh(step, state, batch, mesh_config, reference=None):
     mesh = make_mesh(mesh_config)
     shardings = state_shardings(state, mesh)
     placed = jax.device_put(state, shardings)
-    sharded_batch = shard_batch(batch, mesh)
+    sharded_batch = place_batch(batch, mesh, per_process=True)
     run = jit_sharded(step, mesh, in_shardings=(shardings, batch_sharding(mesh)))
     out = run(placed, sharded_batch)
     diffs = {
@@ -226,7 +227,7 @@ def distributed_forward_case() -> dict:
     run = jit_sharded(rl_loss_step(graphdef, bucket, sharded=True), mesh,
                       in_shardings=(shardings, batch_sharding(mesh)))
     loss, (hidden, logp, ent, aux), grads = run(jax.device_put(state, shardings),
-                                                shard_batch(local, mesh))
+                                                place_batch(local, mesh, per_process=True))
 
     def host(x):
         return np.asarray(multihost_utils.process_allgather(x, tiled=True), np.float64)
@@ -254,7 +255,7 @@ def errors_case() -> dict:
 
     catch("mesh", lambda: make_mesh({"data": 4, "expert": 4}))
     mesh = make_mesh(MOE_MESH)
-    catch("shard_batch", lambda: shard_batch({"tokens": np.zeros((6, 16), np.int32)}, mesh))
+    catch("place_batch", lambda: place_batch({"tokens": np.zeros((6, 16), np.int32)}, mesh))
     graphdef, state = moe_model()
     batch = {k: v[:3, :4] for k, v in moe_inputs().items()}  # 12 tokens over 8 shards
     step = jit_sharded(rl_loss_step(graphdef, 16, sharded=False, with_grads=False), mesh)

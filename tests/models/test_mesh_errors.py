@@ -50,7 +50,7 @@ def test_batch_not_divisible_by_the_data_axes():
 def test_errors_on_eight_devices():
     messages = run_case("tests.models.sharding_cases:errors_case")
     assert "needs 16 devices but there are 8" in messages["mesh"]
-    for name in ("shard_batch", "moe_tokens", "head_batch"):
+    for name in ("place_batch", "moe_tokens", "head_batch"):
         assert "not divisible by the 8 shards" in messages[name], messages
-    assert "6 rows" in messages["shard_batch"] and "12 rows" in messages["moe_tokens"]
+    assert "6 rows" in messages["place_batch"] and "12 rows" in messages["moe_tokens"]
     assert "6 rows" in messages["head_batch"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import chex
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -39,5 +40,36 @@ def test_state_shardings_and_init_sharded():
     assert specs["lm_head/kernel"] == P("fsdp", "tensor")
     placed = model.layers[0].mlp.down_proj[...]
     assert placed.sharding.spec == P("expert", "tensor", "fsdp")
+    plain = jax.jit(lambda: nnx.state(Transformer(cfg, rngs=nnx.Rngs(0))))()
+    chex.assert_trees_all_equal(nnx.state(model), plain)
+
+
+def test_rules_are_config_data():
+    from models import DEFAULT_RULES, expert_parallel
+
+    cfg = get_config("tiny-moe", sharding_rules=[["expert", "data"], ["mlp", ["fsdp", "tensor"]]])
+    assert cfg.sharding_rules == (("expert", "data"), ("mlp", ("fsdp", "tensor")))
+    assert hash(cfg) == hash(cfg.replace())  # hashable, a static config
+    assert get_config("tiny-moe").sharding_rules == DEFAULT_RULES
+    with pytest.raises(ValueError, match=r"\(logical name, mesh axes\), got 'expert'"):
+        get_config("tiny", sharding_rules=("expert",))
+    # the expert-parallel MoE places its experts by the config's rules
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    assert model.layers[0].mlp.rules == cfg.sharding_rules
+    mesh = abstract_mesh(data=2, expert=4)
+    x, experts = np.zeros((16, 64), np.float32), np.zeros((16, 2), np.int32)
+    gate = np.zeros((3, 64, 32), np.float32)
+    args = (x, experts, experts.astype(np.float32), gate, gate, gate.transpose(0, 2, 1))
+    with pytest.raises(ValueError, match=r"size 3 is not divisible by the 4 devices of mesh "
+                                         r"axes \('expert',\)"):
+        expert_parallel.dropless_experts(*args, mesh=mesh)
+    with pytest.raises(ValueError, match=r"size 3 is not divisible by the 2 devices of mesh "
+                                         r"axes \('data',\)"):
+        expert_parallel.dropless_experts(*args, mesh=mesh, rules=cfg.sharding_rules)
+
+
+def test_init_sharded_without_a_mesh():
+    cfg = get_config("tiny", num_hidden_layers=1)
+    model = init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     plain = jax.jit(lambda: nnx.state(Transformer(cfg, rngs=nnx.Rngs(0))))()
     chex.assert_trees_all_equal(nnx.state(model), plain)

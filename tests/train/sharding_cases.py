@@ -16,13 +16,14 @@ from tests.support.oracle import max_abs
 
 def grpo_step_case() -> dict:
     """``train.steps.grpo_step`` (reference forward, clipped surrogate, KL, entropy, MoE aux
-    loss, Adam) on the tiny MoE: on one device vs placed by ``train.distributed.Placement``
+    loss, Adam) on the tiny MoE: on one device vs placed by ``train.placement.Placement``
     on data=2 x expert=4 (expert-parallel MoE, sharded head, sharded Adam moments). Adam
     runs with ``eps=1`` so that an update is a smooth function of its gradient."""
     import optax
 
-    from train import distributed, rl_loss, state, steps
+    from train import rl_loss, state, steps
     from train.packing import pack
+    from train.placement import Placement, place_batch
 
     model = random_model(get_config("tiny-moe", dtype="float32"), seed=3)
     mdef, params = state.ModelDef.of(model.cfg), jax.device_get(state.params_of(model))
@@ -42,16 +43,16 @@ def grpo_step_case() -> dict:
         p = jax.tree.map(jnp.asarray, params) if placement is None else \
             placement.place_params(params)
         opt = placement.init_opt(tx, p) if placement else tx.init(p)
-        b = placement.device_batch(packed, "old_logp", "advantages") if placement else \
-            steps.device_batch(packed, "old_logp", "advantages")
+        b = place_batch(packed.arrays("old_logp", "advantages"),
+                        placement.mesh if placement else None)
         bucket = placement.bucket(packed, 16) if placement else packed.bucket(16)
-        ref = steps.reference_logprobs(mdef, 1.0, True, placement)(p, b, bucket)
-        new, opt, m = steps.grpo_step(mdef, tx, lcfg, 1.0, True, placement=placement)(
+        ref = steps.reference_logprobs(mdef, placement, temperature=1.0)(p, b, bucket)
+        new, opt, m = steps.grpo_step(mdef, tx, lcfg, placement, temperature=1.0)(
             p, opt, b, ref, packed.num_seqs, bucket)
         return new, opt, m, bucket
 
     p1, o1, m1, bucket1 = run(None)
-    placement = distributed.Placement(make_mesh(MOE_MESH), mdef)
+    placement = Placement(make_mesh(MOE_MESH), mdef)
     p8, o8, m8, bucket8 = run(placement)
     gate = "layers.0.mlp.gate_proj"
     return {

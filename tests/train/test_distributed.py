@@ -62,19 +62,20 @@ def _train_records(workdir) -> list[dict]:
 def _restore(workdir, step: int):
     """Params and optimiser state of ``<workdir>/grpo`` at ``step`` restored on this
     process's one device (the target shardings of a default mesh)."""
-    from train import distributed, setup, state
+    from train import setup, state
     from train.checkpoint import Checkpointer
-    from train.cli import _load
+    from train.cli import load_config
     from train.optim import make_optimizer
+    from train.placement import Placement
 
-    cfg = _load(MICRO)
+    cfg = load_config(MICRO)
     cfg.model.preset = "tiny-moe"
     mdef = state.ModelDef.of(setup.model_config(cfg))
-    placement = distributed.Placement.from_config(cfg, mdef)
+    placement = Placement.from_config(cfg, mdef)
     tx, _ = make_optimizer(cfg.train.optim, cfg.train.steps)
     ckpt = Checkpointer(Path(workdir) / "grpo", every=1, keep=10)
     try:
-        items, meta = ckpt.restore(placement.abstract_state(tx, mdef.abstract_params()), step)
+        items, meta = ckpt.restore(placement.abstract_state(tx), step)
     finally:
         ckpt.close()
     assert meta["step"] == step

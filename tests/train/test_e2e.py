@@ -70,6 +70,28 @@ def test_two_grpo_steps_end_to_end(tmp_path, env):
     assert {r["kind"] for r in recs} == {"sft", "eval_before", "train", "eval_after"}
     assert _complete_checkpoints(work / "grpo")[-1] == 2
     assert (work / "tb").is_dir()
+    # the banner, before anything else
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"train.grpo: config {MICRO}, run directory {work}")
+    assert lines[1].startswith("devices: 1 x cpu in 1 process(es), mesh data=1")
+    assert lines[2].startswith("model: preset tiny, 4.87M parameters") and "width 32" in lines[2]
+    assert lines[3].startswith("task: chain_sum") and "16 held-out problems" in lines[3]
+    assert "SFT 2 steps x 8 sequences, then GRPO 2 steps x 2 prompts x 4 samples" in lines[3]
+    # progress of the held-out evaluations (tqdm, on stderr)
+    assert "eval before: 100%" in out.stderr and "eval after: 100%" in out.stderr
+    # retention: GRPO keeps its latest checkpoint (checkpoint.keep=1), the finished SFT
+    # stage its final parameters only
+    assert _complete_checkpoints(work / "grpo") == [2]
+    assert {p.name for p in (work / "grpo" / "2").iterdir() if p.is_dir()} == {
+        "params", "opt_state", "rng", "meta"}
+    assert _complete_checkpoints(work / "sft") == [2]
+    assert {p.name for p in (work / "sft" / "2").iterdir() if p.is_dir()} == {"params", "meta"}
+    # a finished params-only stage cannot be resumed to more steps: one line, no traceback
+    more = subprocess.run(_cmd(work, "--config.sft.steps=3"), cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert more.returncode == 1 and "Traceback" not in more.stderr
+    assert more.stderr.startswith(f"error: {work / 'sft'} finished at step 2 and kept its "
+                                  "final parameters only")
 
 
 def test_sigkill_then_rerun_resumes_without_loss_or_duplicates(tmp_path, env):
@@ -119,21 +141,23 @@ def test_unknown_config_key_lists_valid_keys(tmp_path, env):
 
 
 @pytest.mark.parametrize("override, message", [
-    ({"data.tasks": "chain_sum,no_such_task"}, "unknown reasoning-gym task(s) ['no_such_task']"),
+    ({"data.tasks": ("chain_sum", "no_such_task")},
+     "unknown reasoning-gym task(s) ['no_such_task']"),
     ({"init.sft_checkpoint": "MISSING"}, "does not exist"),
     ({"model.hf_checkpoint": "MISSING"}, "does not exist"),
 ])
 def test_bad_input_exits_with_a_clear_error(tmp_path, capsys, override, message):
     from train import setup
-    from train.cli import _load
+    from train.cli import load_config
 
-    cfg = _load(MICRO)
+    cfg = load_config(MICRO)
     for key, value in override.items():
         section, name = key.split(".")
-        cfg[section][name] = value.replace("MISSING", str(tmp_path / "missing"))
+        cfg[section][name] = (value.replace("MISSING", str(tmp_path / "missing"))
+                              if isinstance(value, str) else value)
     cfg.workdir = str(tmp_path / "w")
     with pytest.raises(SystemExit) as exc:
-        setup.build_or_exit(cfg)
+        setup.start(cfg)
     assert exc.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err

@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import pytest
 
 from train.config import base_config
-from train.optim import lr_multipliers, make_optimizer
+from train.optim import frozen_prefixes, lr_multipliers, make_optimizer
 
 
 def test_frozen_and_lr_multipliers():
     c = base_config().train.optim
     c.warmup_steps, c.decay = 0, "constant"
-    c.frozen, c.lr_multipliers = "embed_tokens", "norm:30"
+    c.frozen, c.lr_multipliers = ("embed_tokens",), (("norm", 30),)
     tx, _ = make_optimizer(c, 10)
     params = {"embed_tokens.embedding": jnp.ones(4), "norm.scale": jnp.ones(4),
               "layers.0.norm.scale": jnp.ones(4), "normal.w": jnp.ones(4)}
@@ -28,6 +28,19 @@ def test_frozen_and_lr_multipliers():
 
 def test_bad_lr_multipliers_raise():
     c = base_config().train.optim
-    c.lr_multipliers = "norm"
-    with pytest.raises(ValueError, match="prefix:multiplier"):
+    c.lr_multipliers = ("norm",)
+    with pytest.raises(ValueError, match=r"\(prefix, multiplier\) pairs, .* got 'norm'"):
         lr_multipliers(c)
+    c.lr_multipliers = (("norm", "x"),)
+    with pytest.raises(ValueError, match="pairs"):
+        lr_multipliers(c)
+    assert lr_multipliers(base_config().train.optim) == ()
+
+
+def test_bad_frozen_raises():
+    c = base_config().train.optim
+    c.frozen = ("",)
+    with pytest.raises(ValueError, match="tuple of parameter-name prefixes"):
+        frozen_prefixes(c)
+    c.frozen = ("embed_tokens", "layers.0")
+    assert frozen_prefixes(c) == ("embed_tokens", "layers.0")

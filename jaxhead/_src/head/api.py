@@ -91,11 +91,11 @@ def plan(impl: Impl | Literal["auto"], config, spec: HeadSpec):
     return fallback, made, padded
 
 
-def _resolve_bucket(keep, bucket, num_tokens: int, derived: bool = False) -> int:
+def _resolve_bucket(keep, bucket, num_tokens: int) -> int:
     # numpy, not jnp: inside a jit trace jnp ops on a closed-over concrete array are traced
     count = int(np.count_nonzero(np.asarray(keep))) if validation.is_concrete(keep) else None
     if bucket is None:
-        if count is None and not derived:
+        if count is None:
             warnings.warn(
                 "jaxhead.token_logprobs: keep is traced and bucket is None, so every one of "
                 f"the {num_tokens} tokens goes through the head (no compaction). Pick the "
@@ -151,13 +151,30 @@ def run_compacted(head, made, padded: int, h, weight, y, inv_temp, min_logit, ke
     return logp, ent
 
 
-def not_ignored(labels, ignore_index: int):
-    """The keep mask of labels other than ``ignore_index``, or None when every label is
-    (concrete and) another: then the head runs on every row in order, no compaction."""
+def ignored_labels(labels, keep, bucket, ignore_index):
+    """``(keep, ignored)`` for a call whose ``keep`` may be None.
+
+    With concrete labels (or a ``bucket`` to compact into), labels equal to
+    ``ignore_index`` become a keep mask (None when there are none). With traced labels and
+    no bucket, compacting into all ``N`` rows would save nothing and cost a gather and a
+    scatter of ``[N, H]``: the head then runs on every row in order and ``ignored`` (bool,
+    labels' shape) marks the rows whose outputs ``mask_ignored`` zeroes. ``ignored`` is
+    None otherwise."""
+    if keep is not None or ignore_index is None:
+        return keep, None
     if validation.is_concrete(labels):
         keep = np.asarray(labels) != ignore_index
-        return None if keep.all() else keep
-    return labels != ignore_index
+        return (None if keep.all() else keep), None
+    if bucket is not None:
+        return labels != ignore_index, None
+    return None, labels == ignore_index
+
+
+def mask_ignored(ignored, logp, ent):
+    """``(logp, entropy)`` with exactly 0 (and zero gradient) on the ``ignored`` rows."""
+    if ignored is None:
+        return logp, ent
+    return jnp.where(ignored, 0.0, logp), jnp.where(ignored, 0.0, ent)
 
 
 def row_inputs(temperature, min_logit, batch_shape):
@@ -225,9 +242,12 @@ def token_logprobs(
         ``-inf``: untruncated), e.g. ``Sample.min_logit`` of the draw. Treated as data: no
         gradient flows to it; computed in the same chunked scan, never ``[N, V]``.
       ignore_index: when ``keep`` is None, labels equal to it are not kept (their outputs
-        are 0), as in PyTorch's and optax's cross-entropy (``next_token_labels`` writes
-        -100 where there is no next token); None: every label must be in ``[0, V)``. Other
-        out-of-range labels still raise. Ignored when ``keep`` is given.
+        are 0, with zero gradient), as in PyTorch's and optax's cross-entropy
+        (``next_token_labels`` writes -100 where there is no next token); None: every label
+        must be in ``[0, V)``. Other out-of-range labels still raise. Ignored when ``keep``
+        is given. With traced labels and no ``bucket`` their rows still run through the
+        head in order (no compaction, which would save nothing), so their hidden states
+        must be finite.
 
     Returns:
       ``HeadOutput(logprobs, entropy)``, float32 ``[...]``; exactly 0 where ``keep`` is
@@ -251,13 +271,13 @@ def token_logprobs(
     """
     validation.check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit)
     hidden_size, vocab_size = weight.shape
-    derived = keep is None and ignore_index is not None
-    if derived:
-        keep = not_ignored(labels, ignore_index)
+    keep, ignored = ignored_labels(labels, keep, bucket, ignore_index)
+    if ignored is not None:
+        labels = jnp.where(ignored, 0, labels)
     validation.check_values(labels, keep, temperature, vocab_size)
     batch_shape = labels.shape
     num_tokens = math.prod(batch_shape)
-    rows = num_tokens if keep is None else _resolve_bucket(keep, bucket, num_tokens, derived)
+    rows = num_tokens if keep is None else _resolve_bucket(keep, bucket, num_tokens)
     spec = HeadSpec(rows, hidden_size, vocab_size, jnp.dtype(hidden.dtype).name, softcap,
                     with_entropy, truncated=min_logit is not None)
     head, made, padded = plan(impl, config, spec)
@@ -267,5 +287,5 @@ def token_logprobs(
                                                                    batch_shape),
         None if keep is None else keep.reshape(num_tokens),
     )
-    return HeadOutput(logp.reshape(batch_shape),
-                      ent.reshape(batch_shape) if with_entropy else None)
+    logp, ent = mask_ignored(ignored, logp.reshape(batch_shape), ent.reshape(batch_shape))
+    return HeadOutput(logp, ent if with_entropy else None)

@@ -177,8 +177,9 @@ def sharded_token_logprobs(
       TypeError: as ``jaxhead.token_logprobs``.
     """
     validation.check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit)
-    if keep is None and ignore_index is not None:
-        keep = api.not_ignored(labels, ignore_index)
+    keep, ignored = api.ignored_labels(labels, keep, bucket, ignore_index)
+    if ignored is not None:
+        labels = jnp.where(ignored, 0, labels)
     if _fully_known(labels, keep, temperature):
         validation.check_values(labels, keep, temperature, weight.shape[1])
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
@@ -228,5 +229,5 @@ def sharded_token_logprobs(
         return logp.reshape(y.shape), ent.reshape(y.shape)
 
     run = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=(tok, tok))
-    logp, ent = run(*args)
+    logp, ent = api.mask_ignored(ignored, *run(*args))
     return HeadOutput(logp, ent if with_entropy else None)

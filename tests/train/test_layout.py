@@ -1,0 +1,108 @@
+"""The import graph of the three packages (read from the source with ``ast``, nothing is
+imported): no cycles, and the layers hold: ``jaxhead`` imports neither ``models`` nor
+``train``, ``models`` does not import ``train``. Imports inside functions count too."""
+
+from __future__ import annotations
+
+import ast
+
+from tests.support import ROOT
+
+PACKAGES = ("jaxhead", "models", "train")
+
+
+def _modules() -> dict[str, tuple]:
+    """Module name -> (path, is a package ``__init__``)."""
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            init = parts[-1] == "__init__"
+            out[".".join(parts[:-1] if init else parts)] = (path, init)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of the three packages it imports (``from a.b import c``
+    counts ``a.b.c`` if that is a module, else ``a.b``); a module's import of its own
+    package ``__init__`` (re-exports) is left out."""
+    mods = _modules()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, (path, init) in mods.items():
+        package = name if init else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            for t in targets:
+                r = resolve(t)
+                if r and r != name and not (name.startswith(r + ".") and mods[r][1]):
+                    edges.add(r)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_is_read():
+    graph = import_graph()
+    assert {"jaxhead", "models.transformer", "train.grpo", "train.loop"} <= set(graph)
+    assert "train.loop" in graph["train.grpo"] and "models.mesh" in graph["train.placement"]
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_cycle_detection_works():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_layers_hold():
+    graph = import_graph()
+    bad = [(m, r) for m, rs in graph.items() for r in rs
+           if (m.split(".")[0] == "jaxhead" and r.split(".")[0] in ("models", "train"))
+           or (m.split(".")[0] == "models" and r.split(".")[0] == "train")]
+    assert bad == []
