@@ -64,3 +64,12 @@ def test_import_jaxhead_never_loads_an_optional_library():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_the_tunix_adapter_without_tunix_says_how_to_install_it():
+    code = ("import sys; sys.modules['tunix'] = None\n"  # as if Tunix were not installed
+            "try:\n    import jaxhead.integrations.tunix\n"
+            "except ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    assert "pip install 'jaxhead[tunix]'" in out, out

@@ -220,6 +220,13 @@ def test_policy_losses_switch_and_restore():
         pass
 
 
+class _HiddenOnly(nnx.Module):
+    """Gives hidden states (it has ``output_hidden_states``) but is not registered."""
+
+    def __call__(self, tokens, positions, cache, attention_mask, output_hidden_states=False):
+        raise AssertionError("never called: the head is looked up first")
+
+
 def test_errors_name_the_model_and_the_problem():
     prompt, completion = _unpacked()
     cfg = llama3.ModelConfig(num_layers=1, vocab_size=V, embed_dim=32, hidden_dim=64,
@@ -228,6 +235,10 @@ def test_errors_name_the_model_and_the_problem():
     graphdef, state = nnx.split(llama3.Llama3(cfg, rngs=nnx.Rngs(0)))
     with pytest.raises(TypeError, match=r"Llama3 \(tunix\.models\.llama3\.model\.Llama3\).*"
                                         r"no output_hidden_states.*register_model"):
+        jaxhead_tunix.compute_per_token_logps(graphdef, state, prompt, completion, PAD, EOS)
+
+    graphdef, state = nnx.split(_HiddenOnly())
+    with pytest.raises(TypeError, match=r"_HiddenOnly .*head weight is unknown.*Qwen3"):
         jaxhead_tunix.compute_per_token_logps(graphdef, state, prompt, completion, PAD, EOS)
 
     graphdef, state = nnx.split(_qwen3(tied=False))

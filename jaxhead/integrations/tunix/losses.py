@@ -30,7 +30,7 @@ def grpo_loss_fn(model, train_example, algo_config, pad_id, eos_id, *, impl="aut
     ``epsilon_c``), ``loss_algo`` ``"grpo"`` or ``"gspo-token"``, ``loss_agg_mode``,
     sampler importance weights, KL to the reference (``beta``, ``kl_loss_mode``,
     ``kl_clamp_value``) and the logged entropy; only the policy log-probs and the entropy
-    come from ``compute_per_token_logps`` above instead of Tunix's full logits. The aux
+    come from ``compute_per_token_logps`` (jaxhead) instead of Tunix's full logits. The aux
     keys and their meaning are Tunix's; ``tests/jaxhead/test_tunix.py`` checks loss,
     gradients and aux against the installed Tunix.
 
