@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxhead._src import compaction, validation
 from jaxhead._src.buckets import bucket_size
-from jaxhead._src.head import pallas_tpu, pallas_triton, reference, xla, xla_cpu
+from jaxhead._src.head import pallas_mode, pallas_tpu, pallas_triton, reference, xla, xla_cpu
 from jaxhead._src.head.base import HeadImplementation, HeadSpec, KernelUnsupported
 from jaxhead._src.types import HeadOutput
 
@@ -41,8 +41,10 @@ logger = logging.getLogger("jaxhead")
 def resolve_impl(impl: Impl | Literal["auto"], config=None) -> Impl:
     """The implementation that ``impl`` and ``config`` name.
 
-    ``"auto"`` without a config picks by ``jax.default_backend()``: ``"pallas_tpu"`` on TPU,
-    ``"pallas_triton"`` on GPU, ``"xla_cpu"`` on CPU, ``"xla"`` elsewhere; ``"auto"`` with a
+    ``"auto"`` without a config picks by the platform the trace compiles for
+    (``pallas_mode.target_platform``: the mesh in context, else ``jax.default_backend()``):
+    ``"pallas_tpu"`` on TPU, ``"pallas_triton"`` on GPU, ``"xla_cpu"`` on CPU, ``"xla"``
+    elsewhere; ``"auto"`` with a
     config picks the implementation that config belongs to.
 
     Raises:
@@ -62,7 +64,7 @@ def resolve_impl(impl: Impl | Literal["auto"], config=None) -> Impl:
         return owner
     if impl != "auto":
         return impl
-    return _AUTO_BY_BACKEND.get(jax.default_backend(), "xla")
+    return _AUTO_BY_BACKEND.get(pallas_mode.target_platform(), "xla")
 
 
 def plan(impl: Impl | Literal["auto"], config, spec: HeadSpec):

@@ -278,7 +278,7 @@ def _forward(plan: TritonPlan, h, w, labels, inv_temp, min_logit) -> hm.Rows:
             pl.BlockSpec((hidden, vocab), lambda i, s: (0, 0)),
         ] + [row_in] * len(per_row),
         out_specs=[part] * 4,
-        out_shape=[jax.ShapeDtypeStruct((splits, rows), jnp.float32)] * 4,
+        out_shape=[pallas_mode.out_shape((splits, rows), jnp.float32, h, w, labels)] * 4,
         name="jaxhead_head_forward",
         **_params(plan),
     )(h, w, *per_row)
@@ -304,7 +304,7 @@ def _du_chunk(plan: TritonPlan, h, w_c, rows):
             pl.BlockSpec((hidden, width), lambda i, j: (0, 0)),
         ] + [row_in] * len(rows),
         out_specs=pl.BlockSpec((t, c), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((n, nc * c), h.dtype),
+        out_shape=pallas_mode.out_shape((n, nc * c), h.dtype, h, w_c, *rows),
         name="jaxhead_head_dlogits",
         **_params(plan),
     )(h, w_c, *rows)
