@@ -18,7 +18,8 @@ import numpy as np
 
 from jaxhead._src import compaction, validation
 from jaxhead._src.buckets import bucket_size
-from jaxhead._src.head import pallas_mode, pallas_tpu, pallas_triton, reference, xla, xla_cpu
+from jaxhead._src.head import (pallas_mode, pallas_tpu, pallas_triton, probe, reference, xla,
+                               xla_cpu)
 from jaxhead._src.head.base import HeadImplementation, HeadSpec, KernelUnsupported
 from jaxhead._src.types import HeadOutput
 
@@ -70,24 +71,36 @@ def resolve_impl(impl: Impl | Literal["auto"], config=None) -> Impl:
 def plan(impl: Impl | Literal["auto"], config, spec: HeadSpec):
     """``(implementation, plan, padded rows)`` for ``spec``.
 
-    An implementation that cannot run ``spec`` raises under an explicit ``impl``; under
-    ``"auto"`` the XLA path takes over (with its default config) and the reason is logged
-    (logger ``"jaxhead"``, level WARNING). Any other failure to plan or lower a kernel under
-    ``"auto"`` is treated the same way.
+    An implementation that cannot run ``spec`` raises under an explicit ``impl``. Under
+    ``"auto"`` a kernel (``pallas_tpu``, ``pallas_triton``) is used only if it plans without
+    any error and its plan lowers, forward and backward, for the target platform
+    (``probe.lowering_error``; not in interpret mode); otherwise the XLA path takes over
+    (with its default config) and the reason is logged (logger ``"jaxhead"``, level
+    WARNING).
 
     Raises:
       KernelUnsupported / ValueError / TypeError: as ``resolve_impl`` and the
-        implementation's ``plan`` (explicit ``impl`` only).
+        implementation's ``plan`` (explicit ``impl``, or a bad config under ``"auto"``).
     """
     name = resolve_impl(impl, config)
     chosen = IMPLEMENTATIONS[name]
-    try:
+    if impl != "auto" or name not in _FALLBACK:
         made, padded = chosen.plan(config, spec)
         return chosen, made, padded
-    except KernelUnsupported as err:
-        if impl != "auto" or name not in _FALLBACK:
-            raise
-        logger.warning("impl='auto': %s cannot run this call (%s); using 'xla'", name, err)
+    try:
+        made, padded = chosen.plan(config, spec)
+    except Exception as err:  # noqa: BLE001 - any planning failure of a kernel: use XLA
+        user_error = type(err) in (ValueError, TypeError) and config is not None
+        if user_error:
+            raise  # a bad value in the user's config (named), not the kernel's failure
+        reason = str(err) if isinstance(err, KernelUnsupported) else (
+            f"{type(err).__name__}: {err}")
+    else:
+        reason = probe.lowering_error(chosen, made, padded, spec)
+        if reason is None:
+            return chosen, made, padded
+        reason = f"its kernels do not lower for this platform ({reason})"
+    logger.warning("impl='auto': %s cannot run this call (%s); using 'xla'", name, reason)
     fallback = IMPLEMENTATIONS[_FALLBACK[name]]
     made, padded = fallback.plan(None, spec)
     return fallback, made, padded
