@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jaxhead  # noqa: E402
-from jaxhead._src.head import api, pallas_tpu  # noqa: E402
+from jaxhead._src.head import api, pallas_mode, pallas_tpu  # noqa: E402
 from tests.support import tpu_compile as tc  # noqa: E402
 
 FULL = os.environ.get("JAXHEAD_TPU_COMPILE", "") == "full"
@@ -75,6 +75,8 @@ VMEM_MIB = {"v4": 16, "v5e": 128, "v5p": 64, "v6e": 128}
 def test_plans_fit_each_generations_vmem(gen):
     mesh = tc.mesh_for(tc.topology_devices(gen), "plain")
     with jax.set_mesh(mesh):
+        assert pallas_tpu.vmem_capacity() == VMEM_MIB[gen] * MIB
+    with pallas_mode.per_device(mesh):  # sharded_token_logprobs' plan, no mesh set
         assert pallas_tpu.vmem_capacity() == VMEM_MIB[gen] * MIB
     for shape in tc.SHAPES:
         for mode in ("plain", "sharded"):

@@ -244,11 +244,13 @@ def token_logprobs(
       impl: one of ``Impl``: ``"xla"`` (the chunked XLA scan, every backend), ``"xla_cpu"``
         (the same with XLA:CPU tuning), ``"pallas_tpu"`` (Mosaic TPU kernels),
         ``"pallas_triton"`` (Triton GPU kernels), ``"reference"`` (full logits of the
-        compacted rows), or ``"auto"``: by ``jax.default_backend()``: pallas_tpu on TPU,
-        pallas_triton on GPU, xla_cpu on CPU; when the kernel cannot run the call (e.g. an
-        unsupported dtype, or tiles that exceed VMEM) ``"auto"`` uses xla and logs the
-        reason (logger ``"jaxhead"``). The kernels run on CPU only in Pallas interpret mode
-        (``jaxhead.pallas_interpret``), for tests.
+        compacted rows), or ``"auto"``: by the platform compiled for (the devices of the
+        mesh in context, else ``jax.default_backend()``): pallas_tpu on TPU, pallas_triton
+        on GPU, xla_cpu on CPU; when the kernel cannot run the call (e.g. an unsupported
+        dtype, tiles that exceed VMEM, a mesh that would partition it outside
+        ``shard_map``, any error planning it or lowering it) ``"auto"`` uses xla and logs
+        the reason (logger ``"jaxhead"``). The kernels run on CPU only in Pallas interpret
+        mode (``jaxhead.pallas_interpret``), for tests.
       config: the implementation's settings: ``XlaConfig``, ``XlaCpuConfig``,
         ``PallasTpuConfig`` or ``PallasTritonConfig`` (a config also names its
         implementation under ``impl="auto"``); None: the defaults.

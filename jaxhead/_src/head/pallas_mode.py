@@ -114,6 +114,18 @@ def target_device():
     return getattr(mesh, "abstract_device", None)
 
 
+@contextlib.contextmanager
+def target_mesh() -> Iterator[None]:
+    """Make ``per_device``'s mesh the abstract mesh in context while no mesh is (for jax
+    helpers that read the device from it, e.g. ``pltpu.get_tpu_info``); else nothing."""
+    mesh = _per_device.get()
+    if mesh is None or not jax.sharding.get_abstract_mesh().empty:
+        yield
+        return
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        yield
+
+
 def target_platform() -> str:
     """The platform the current trace compiles for: ``"tpu"``, ``"gpu"``, ``"cpu"``, ...;
     the mesh in context decides (see the module docstring), else

@@ -139,7 +139,8 @@ def vmem_capacity() -> int:
     if pallas_mode.target_platform() != "tpu":
         return _INTERPRET_VMEM_BYTES
     try:
-        return int(pltpu.get_tpu_info().vmem_capacity_bytes)
+        with pallas_mode.target_mesh():
+            return int(pltpu.get_tpu_info().vmem_capacity_bytes)
     except (AttributeError, ValueError, RuntimeError):  # jax without get_tpu_info / new chip
         return _UNKNOWN_TPU_VMEM_BYTES
 
