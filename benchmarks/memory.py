@@ -116,6 +116,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
 
 
 def _topology_devices(name: str):
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # libtpu's machine-wide lock
     from jax.experimental import topologies
 
     return topologies.get_topology_desc(topology_name=name, platform="tpu").devices

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 import time
 
@@ -31,6 +32,11 @@ from jax.sharding import PartitionSpec as P
 import jaxhead
 from jaxhead._src.head import pallas_mode, pallas_tpu
 from jaxhead._src.head.base import HeadSpec
+
+# libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) when it loads: without this a second
+# process (a pytest-xdist worker, a benchmark) fails "Internal error when accessing libtpu
+# multi-process lockfile". Compiling for a topology touches no TPU, so sharing is safe.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 MIB = 2**20
 #: Small slices of each generation that ``get_topology_desc`` accepts (>= 4 chips).
