@@ -45,8 +45,7 @@ def resolve_impl(impl: Impl | Literal["auto"], config=None) -> Impl:
     ``"auto"`` without a config picks by the platform the trace compiles for
     (``pallas_mode.target_platform``: the mesh in context, else ``jax.default_backend()``):
     ``"pallas_tpu"`` on TPU, ``"pallas_triton"`` on GPU, ``"xla_cpu"`` on CPU, ``"xla"``
-    elsewhere; ``"auto"`` with a
-    config picks the implementation that config belongs to.
+    elsewhere; ``"auto"`` with a config picks the implementation that config belongs to.
 
     Raises:
       ValueError: an unknown name (the valid ones listed).
