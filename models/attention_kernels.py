@@ -83,8 +83,8 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     Raises:
       KernelUnsupported: T not a multiple of the block, or the block not a multiple of 128.
     """
-    from jax.experimental.pallas.ops.tpu.splash_attention import (
-        splash_attention_kernel as sk, splash_attention_mask as sm)
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     b, t, n, d = q.shape
     kv_heads = k.shape[2]

@@ -28,8 +28,12 @@ import logging
 
 import jax
 
-from models.attention_kernels import (KernelUnsupported, check_packing,
-                                      pallas_gpu_attention, splash_attention)
+from models.attention_kernels import (
+    KernelUnsupported,
+    check_packing,
+    pallas_gpu_attention,
+    splash_attention,
+)
 from models.attention_xla import chunked_attention, dense_attention
 
 logger = logging.getLogger("models")

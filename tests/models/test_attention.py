@@ -116,7 +116,7 @@ def test_cache_paths_match_dense(t):
     kv_seg = jnp.where(jnp.arange(slots) < 16, kv_seg, 0)       # slots >= 16: not written
     pos = jnp.stack([jnp.arange(9, 9 + t), jnp.arange(4, 4 + t)]).astype(jnp.int32)
     seg = jnp.ones((2, t), jnp.int32)
-    q, k, v, w = qkv(jax.random.key(3), 2, t, slots, 4, 2, 8)
+    q, k, v, _ = qkv(jax.random.key(3), 2, t, slots, 4, 2, 8)
     args = (pos, seg, kv_pos, kv_seg)
     out = jax.jit(lambda *a: cache_attention(*a, scale=0.35))(q, k, v, *args)
     expect = jax.jit(lambda *a: dense_attention(*a, scale=0.35))(q, k, v, *args)
