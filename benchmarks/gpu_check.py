@@ -3,6 +3,7 @@
     python benchmarks/gpu_check.py             # N=16384, H=4096, V=151936 bf16 on one GPU
     python benchmarks/gpu_check.py --dry-run   # CPU, Pallas interpret mode, tiny sizes
     python benchmarks/gpu_check.py --triton-blocks 128,128,64,8,3   # other Triton tiles
+    python benchmarks/gpu_check.py --resources # no GPU: sm_90 registers / shared / spills
 
 Runs forward + backward (``jax.value_and_grad`` of an RL-like loss that reads log-probs and
 entropy) for three implementations and prints one table:
@@ -19,6 +20,12 @@ counted) and that rate as a share of the measured bf16 matmul rate of the device
 max absolute differences to the XLA path for log-probs, entropy, ``d hidden`` and ``d W``
 (computed in float32; the gradients are bf16).
 
+``--resources`` needs no GPU, only the ``triton`` package: it compiles every Triton kernel
+(forward and the backward's ``du``) of the cases of ``tests/support/triton_compile.py`` to
+an sm_90 cubin and prints registers per thread, shared memory per block and local memory
+and stack (spills), as ``tests/jaxhead/test_triton_compile.py`` checks them; exit status 1
+if a kernel spills or exceeds sm_90's 227 KiB of shared memory per block.
+
 On one H200 the full run should take about a minute of compute plus compiles (the
 script prints its own elapsed time; the budget is 8 minutes).
 """
@@ -29,6 +36,7 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -156,6 +164,30 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def print_resources() -> int:
+    """The ``--resources`` table; 2 without ``triton``, 1 if a kernel spills."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("--resources needs the triton package (pip install triton)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
+    from tests.support import triton_compile as trc
+
+    print(f"jaxhead gpu_check --resources: Triton {triton.__version__} -> sm_90 cubin, "
+          f"jax {jax.__version__}")
+    print("| case | kernel | warps | stages | registers | shared KiB | local + stack B |\n"
+          "|---|---|---|---|---|---|---|")
+    ok = True
+    for case in trc.CASES:
+        for used in trc.case_resources(case):
+            ok &= used.local + used.stack == 0 and used.shared <= trc.SM90_SHARED_LIMIT
+            print(f"| {case.name} | {used.kernel} | {used.num_warps} | {used.num_stages} | "
+                  f"{used.registers} | {used.shared / 1024:.1f} | {used.local + used.stack} |",
+                  flush=True)
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true",
@@ -166,7 +198,11 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int)
     parser.add_argument("--triton-blocks", metavar="T,C,K,WARPS,STAGES",
                         help="Triton tiles to try instead of the defaults, e.g. 128,128,64,8,3")
+    parser.add_argument("--resources", action="store_true",
+                        help="no GPU: registers, shared memory and spills of each kernel")
     args = parser.parse_args(argv)
+    if args.resources:
+        return print_resources()
     sizes = dict(DRY if args.dry_run else FULL)
     for key in ("n", "hidden", "vocab", "iters"):
         if getattr(args, key) is not None:

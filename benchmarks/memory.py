@@ -11,6 +11,13 @@ TPU or GPU compile would do (same program, different fusion and scheduling).
     python benchmarks/memory.py                                  # Qwen3-30B-A3B, 64 devices
     python benchmarks/memory.py --mesh fsdp=4,expert=8,tensor=2 --vocab-axis tensor
     python benchmarks/memory.py --mesh fsdp=2,expert=4 --seq 512 --layers 2   # quick
+    python benchmarks/memory.py --topology v6e:8x8 --layers 2   # the TPU compiler's numbers
+
+With ``--topology`` (needs ``libtpu``, ``pip install -e '.[tpu]'``; no TPU) the step is
+compiled by the real TPU compiler for the devices of that slice
+(``jax.experimental.topologies.get_topology_desc``): TPU fusion, scheduling and buffer
+assignment, Mosaic kernels for the head. Without it the numbers are the CPU
+approximation, and the ``compiled for`` column says which.
 
 Prints one markdown table row per mesh.
 """
@@ -35,8 +42,11 @@ def _shard_bytes(abstract, shardings) -> int:
 
 
 def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, keep: float,
-            layers: int, vocab_axis: str | None = None, remat: bool = False) -> dict:
-    """Compile the train step for ``mesh_sizes`` on abstract shapes; per-device GiB."""
+            layers: int, vocab_axis: str | None = None, remat: bool = False,
+            topology: str | None = None) -> dict:
+    """Compile the train step for ``mesh_sizes`` on abstract shapes; per-device GiB.
+    ``topology``: a TPU slice name (``"v6e:8x8"``) to compile for with the TPU compiler
+    (the mesh's devices are its first ones); None: the host's (fake) CPU devices."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -51,7 +61,8 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     cfg = get_config(preset, dtype="bfloat16", param_dtype="float32", remat=remat)
     if layers:
         cfg = cfg.replace(num_hidden_layers=layers)
-    mesh = make_mesh(mesh_sizes, devices=jax.devices()[: math.prod(mesh_sizes.values())])
+    devices = jax.devices() if topology is None else _topology_devices(topology)
+    mesh = make_mesh(mesh_sizes, devices=devices[: math.prod(mesh_sizes.values())])
     shards = axis_size(mesh, BATCH_AXES)
     batch = batch or shards
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
@@ -98,9 +109,17 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
         "mesh": (" x ".join(f"{k}={v}" for k, v in mesh_sizes.items() if v > 1) or "1")
         + (f", vocab over {vocab_axis}" if vocab_axis else ""),
         "devices": math.prod(mesh_sizes.values()), "tokens": per_shard,
+        "target": "CPU (approximation)" if topology is None else f"TPU compiler ({topology})",
         "params": param_bytes / GIB, "adam": adam_bytes / GIB,
         "temp": mem.temp_size_in_bytes / GIB, "peak": peak / GIB,
     }
+
+
+def _topology_devices(name: str):
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # libtpu's machine-wide lock
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(topology_name=name, platform="tpu").devices
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -127,6 +146,9 @@ def main(argv=None) -> None:
                         help="recompute each decoder layer in the backward pass")
     parser.add_argument("--vocab-axis", default=None,
                         help="mesh axis of a vocab-parallel head (e.g. tensor)")
+    parser.add_argument("--topology", default=None,
+                        help="compile for this TPU slice with the TPU compiler (needs "
+                        "libtpu), e.g. v6e:8x8")
     args = parser.parse_args(argv)
     meshes = [parse_mesh(m) for m in (args.mesh or ["fsdp=8,expert=8"])]
     devices = max(math.prod(m.values()) for m in meshes)
@@ -135,13 +157,14 @@ def main(argv=None) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     print("| preset | mesh | devices | tokens/device | params GiB | Adam m+v GiB | "
-          "temporaries GiB | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|")
+          "temporaries GiB | peak GiB | compiled for |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for mesh in meshes:
         row = measure(args.preset, mesh, batch=args.batch, seq=args.seq, keep=args.keep,
-                      layers=args.layers, vocab_axis=args.vocab_axis, remat=args.remat)
+                      layers=args.layers, vocab_axis=args.vocab_axis, remat=args.remat,
+                      topology=args.topology)
         print("| {preset} | {mesh} | {devices} | {tokens} | {params:.3g} | {adam:.3g} | "
-              "{temp:.3g} | {peak:.3g} |".format(**row), flush=True)
+              "{temp:.3g} | {peak:.3g} | {target} |".format(**row), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Grouped-query self-attention with q/k RMSNorm and RoPE, for packed rows and the KV cache.
 
-Masking is built inside the graph from per-token segment ids and positions: a query
-attends to a key iff both are in the same non-zero segment and the key's position is not
-after the query's. No ``[B, 1, S, S]`` mask is ever passed in.
+Masking comes from per-token segment ids and positions: a query attends to a key iff both
+are in the same non-zero segment and the key's position is not after the query's. The
+attention itself is ``models.attention_ops`` (``cfg.attention_impl``): blockwise, with no
+``[T, S]`` mask or score buffer, except the ``"dense"`` reference and one-token decoding.
 """
 
 from __future__ import annotations
@@ -11,52 +12,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.attention_ops import cache_attention, self_attention
 from models.cache import LayerKV, write_kv
 from models.config import ModelConfig
 from models.layers import RMSNorm, apply_rope, param
-
-
-def attention_mask(q_positions: jax.Array, q_segment_ids: jax.Array, kv_positions: jax.Array,
-                   kv_segment_ids: jax.Array) -> jax.Array:
-    """bool ``[B, T, S]``: query ``t`` may read key ``s``.
-
-    True iff ``q_segment_ids[t] == kv_segment_ids[s] != 0`` and
-    ``kv_positions[s] <= q_positions[t]`` (causal within the segment; positions must
-    increase within a segment). Segment id 0 (padding, empty cache slots) reads and is
-    read by nothing.
-
-    Args:
-      q_positions, q_segment_ids: int ``[B, T]``.
-      kv_positions, kv_segment_ids: int ``[B, S]``.
-    """
-    same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
-    causal = kv_positions[:, None, :] <= q_positions[:, :, None]
-    return same & causal & (q_segment_ids[:, :, None] != 0)
-
-
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                          scale: float) -> jax.Array:
-    """Softmax attention with grouped KV heads; logits and softmax in float32.
-
-    Args:
-      q: ``[B, T, N, D]``; k, v: ``[B, S, K, D]`` with ``N % K == 0`` (query head ``n``
-        reads KV head ``n // (N // K)``); all in the compute dtype.
-      mask: bool ``[B, T, S]``. A query with no readable key (padding) gets the mean of
-        the values: finite, and ignored by every loss.
-      scale: multiplies the logits (``D ** -0.5``).
-
-    Returns:
-      ``[B, T, N, D]`` in the dtype of ``v``.
-    """
-    b, t, n, d = q.shape
-    kv_heads = k.shape[2]
-    q = q.reshape(b, t, kv_heads, n // kv_heads, d)
-    logits = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    logits = jnp.where(mask[:, None, None], logits * scale, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
-    return out.reshape(b, t, n, d).astype(v.dtype)
 
 
 class Attention(nnx.Module):
@@ -75,6 +34,7 @@ class Attention(nnx.Module):
         h, n, k, d = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                       cfg.head_dim)
         self.dtype, self.rope_theta, self.scale = cfg.dtype, cfg.rope_theta, d ** -0.5
+        self.impl = cfg.attention_impl
         pd = cfg.param_dtype
         self.q_proj = param(rngs, (h, n, d), ("embed", "heads", "head_dim"), pd)
         self.k_proj = param(rngs, (h, k, d), ("embed", "kv_heads", "head_dim"), pd)
@@ -108,10 +68,10 @@ class Attention(nnx.Module):
         q = apply_rope(self.q_norm(q), positions, self.rope_theta)
         k = apply_rope(self.k_norm(k), positions, self.rope_theta)
         if kv is None:
-            mask = attention_mask(positions, segment_ids, positions, segment_ids)
+            out = self_attention(q, k, v, positions, segment_ids, scale=self.scale,
+                                 impl=self.impl)
         else:
             kv = write_kv(kv, k, v)
-            k, v = kv.keys, kv.values
-            mask = attention_mask(positions, segment_ids, kv.positions, kv.segment_ids)
-        out = dot_product_attention(q, k, v, mask, self.scale)
+            out = cache_attention(q, kv.keys, kv.values, positions, segment_ids, kv.positions,
+                                  kv.segment_ids, scale=self.scale, impl=self.impl)
         return jnp.einsum("btnd,ndh->bth", out, self.o_proj[...].astype(dt)), kv

@@ -10,6 +10,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from models.attention_ops import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from models.sharding import DEFAULT_RULES, normalize_rules
 
 
@@ -35,6 +36,12 @@ class ModelConfig:
     (``jax.checkpoint`` around the layer: only the layer inputs are saved), trading one
     more forward of the layers for activation memory that no longer grows with depth.
     Decoding with a KV cache never rematerialises.
+
+    Attention: ``attention_impl`` is ``"auto"`` (by backend: splash on TPU, the Pallas GPU
+    kernel on GPU, ``"xla_chunked"`` elsewhere, falling back to ``"xla_chunked"`` with a
+    warning on logger ``"models"`` when a kernel cannot run the shapes) or one of
+    ``"xla_chunked"``, ``"splash"``, ``"pallas_gpu"``, ``"dense"`` (the quadratic
+    reference); see ``models.attention_ops``.
 
     Head: ``final_logit_softcapping`` (Gemma 2 style ``c * tanh(z / c)`` on the logits,
     forwarded to jaxhead) or None.
@@ -75,6 +82,7 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.001
     final_logit_softcapping: float | None = None
     remat: bool = False
+    attention_impl: str = "auto"
     sharding_rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = DEFAULT_RULES
     dtype: jnp.dtype | str = "bfloat16"
     param_dtype: jnp.dtype | str = "float32"
@@ -112,6 +120,9 @@ class ModelConfig:
             )
         if self.num_experts and self.moe_intermediate_size <= 0:
             raise ValueError("an MoE config needs moe_intermediate_size > 0")
+        if self.attention_impl not in ("auto", *ATTENTION_IMPLEMENTATIONS):
+            raise ValueError(f"attention_impl must be 'auto' or one of "
+                             f"{ATTENTION_IMPLEMENTATIONS}, got {self.attention_impl!r}")
         cap = self.final_logit_softcapping
         if cap is not None and cap <= 0:
             raise ValueError(f"final_logit_softcapping must be > 0 or None, got {cap}")

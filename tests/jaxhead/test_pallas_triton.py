@@ -123,6 +123,9 @@ def test_config_resolution():
     assert b.vocab_splits == 22  # ceil(1024 / 47 token tiles), no empty range over 594 tiles
     assert b.backward_vocab_chunk % b.block_vocab == 0
     assert padded * b.backward_vocab_chunk * 2 <= 256 * 2**20
+    with pallas_mode.interpret():  # a soft-cap halves the vocab tile (register pressure)
+        cfg, _ = pallas_triton.make_plan(None, spec(3000, 4096, 151936, jnp.bfloat16, 30.0))
+    assert cfg.blocks.block_vocab == 128
     with pallas_mode.interpret():
         cfg, padded = pallas_triton.make_plan(None, spec(5, 20, 100, jnp.float32))
     b = cfg.blocks

@@ -56,8 +56,8 @@ def test_remat_saved_activations_do_not_grow_with_depth():
 
     plain = saved_bytes(8, False) - saved_bytes(2, False)
     remat = saved_bytes(8, True) - saved_bytes(2, True)
-    # per extra layer the plain backward keeps its attention probabilities and scores
-    # ([4, 4, 256, 256] float32 each); remat keeps the layer input ([4, 256, 64] float32)
-    # and its parameters
-    assert plain > 6 * 2 * 4 * 4 * 256 * 256 * 4, plain
-    assert remat < 0.05 * plain, (remat, plain)
+    # per extra layer the plain backward keeps its activations (with the blockwise
+    # attention no [T, S] scores: tens of [4, 256, 64]-float32-sized arrays); remat keeps
+    # the layer input ([4, 256, 64] float32) and its parameters
+    assert plain > 6 * 10 * 4 * 256 * 64 * 4, plain
+    assert remat < 0.1 * plain, (remat, plain)

@@ -18,7 +18,8 @@ import numpy as np
 
 from jaxhead._src import compaction, validation
 from jaxhead._src.buckets import bucket_size
-from jaxhead._src.head import pallas_tpu, pallas_triton, reference, xla, xla_cpu
+from jaxhead._src.head import (pallas_mode, pallas_tpu, pallas_triton, probe, reference, xla,
+                               xla_cpu)
 from jaxhead._src.head.base import HeadImplementation, HeadSpec, KernelUnsupported
 from jaxhead._src.types import HeadOutput
 
@@ -41,9 +42,10 @@ logger = logging.getLogger("jaxhead")
 def resolve_impl(impl: Impl | Literal["auto"], config=None) -> Impl:
     """The implementation that ``impl`` and ``config`` name.
 
-    ``"auto"`` without a config picks by ``jax.default_backend()``: ``"pallas_tpu"`` on TPU,
-    ``"pallas_triton"`` on GPU, ``"xla_cpu"`` on CPU, ``"xla"`` elsewhere; ``"auto"`` with a
-    config picks the implementation that config belongs to.
+    ``"auto"`` without a config picks by the platform the trace compiles for
+    (``pallas_mode.target_platform``: the mesh in context, else ``jax.default_backend()``):
+    ``"pallas_tpu"`` on TPU, ``"pallas_triton"`` on GPU, ``"xla_cpu"`` on CPU, ``"xla"``
+    elsewhere; ``"auto"`` with a config picks the implementation that config belongs to.
 
     Raises:
       ValueError: an unknown name (the valid ones listed).
@@ -62,30 +64,42 @@ def resolve_impl(impl: Impl | Literal["auto"], config=None) -> Impl:
         return owner
     if impl != "auto":
         return impl
-    return _AUTO_BY_BACKEND.get(jax.default_backend(), "xla")
+    return _AUTO_BY_BACKEND.get(pallas_mode.target_platform(), "xla")
 
 
 def plan(impl: Impl | Literal["auto"], config, spec: HeadSpec):
     """``(implementation, plan, padded rows)`` for ``spec``.
 
-    An implementation that cannot run ``spec`` raises under an explicit ``impl``; under
-    ``"auto"`` the XLA path takes over (with its default config) and the reason is logged
-    (logger ``"jaxhead"``, level WARNING). Any other failure to plan or lower a kernel under
-    ``"auto"`` is treated the same way.
+    An implementation that cannot run ``spec`` raises under an explicit ``impl``. Under
+    ``"auto"`` a kernel (``pallas_tpu``, ``pallas_triton``) is used only if it plans without
+    any error and its plan lowers, forward and backward, for the target platform
+    (``probe.lowering_error``; not in interpret mode); otherwise the XLA path takes over
+    (with its default config) and the reason is logged (logger ``"jaxhead"``, level
+    WARNING).
 
     Raises:
       KernelUnsupported / ValueError / TypeError: as ``resolve_impl`` and the
-        implementation's ``plan`` (explicit ``impl`` only).
+        implementation's ``plan`` (explicit ``impl``, or a bad config under ``"auto"``).
     """
     name = resolve_impl(impl, config)
     chosen = IMPLEMENTATIONS[name]
-    try:
+    if impl != "auto" or name not in _FALLBACK:
         made, padded = chosen.plan(config, spec)
         return chosen, made, padded
-    except KernelUnsupported as err:
-        if impl != "auto" or name not in _FALLBACK:
-            raise
-        logger.warning("impl='auto': %s cannot run this call (%s); using 'xla'", name, err)
+    try:
+        made, padded = chosen.plan(config, spec)
+    except Exception as err:  # noqa: BLE001 - any planning failure of a kernel: use XLA
+        user_error = type(err) in (ValueError, TypeError) and config is not None
+        if user_error:
+            raise  # a bad value in the user's config (named), not the kernel's failure
+        reason = str(err) if isinstance(err, KernelUnsupported) else (
+            f"{type(err).__name__}: {err}")
+    else:
+        reason = probe.lowering_error(chosen, made, padded, spec)
+        if reason is None:
+            return chosen, made, padded
+        reason = f"its kernels do not lower for this platform ({reason})"
+    logger.warning("impl='auto': %s cannot run this call (%s); using 'xla'", name, reason)
     fallback = IMPLEMENTATIONS[_FALLBACK[name]]
     made, padded = fallback.plan(None, spec)
     return fallback, made, padded
@@ -229,11 +243,13 @@ def token_logprobs(
       impl: one of ``Impl``: ``"xla"`` (the chunked XLA scan, every backend), ``"xla_cpu"``
         (the same with XLA:CPU tuning), ``"pallas_tpu"`` (Mosaic TPU kernels),
         ``"pallas_triton"`` (Triton GPU kernels), ``"reference"`` (full logits of the
-        compacted rows), or ``"auto"``: by ``jax.default_backend()``: pallas_tpu on TPU,
-        pallas_triton on GPU, xla_cpu on CPU; when the kernel cannot run the call (e.g. an
-        unsupported dtype, or tiles that exceed VMEM) ``"auto"`` uses xla and logs the
-        reason (logger ``"jaxhead"``). The kernels run on CPU only in Pallas interpret mode
-        (``jaxhead.pallas_interpret``), for tests.
+        compacted rows), or ``"auto"``: by the platform compiled for (the devices of the
+        mesh in context, else ``jax.default_backend()``): pallas_tpu on TPU, pallas_triton
+        on GPU, xla_cpu on CPU; when the kernel cannot run the call (e.g. an unsupported
+        dtype, tiles that exceed VMEM, a mesh that would partition it outside
+        ``shard_map``, any error planning it or lowering it) ``"auto"`` uses xla and logs
+        the reason (logger ``"jaxhead"``). The kernels run on CPU only in Pallas interpret
+        mode (``jaxhead.pallas_interpret``), for tests.
       config: the implementation's settings: ``XlaConfig``, ``XlaCpuConfig``,
         ``PallasTpuConfig`` or ``PallasTritonConfig`` (a config also names its
         implementation under ``impl="auto"``); None: the defaults.

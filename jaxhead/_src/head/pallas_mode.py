@@ -1,4 +1,11 @@
-"""Where the Pallas kernels run: on their accelerator, or interpreted on CPU.
+"""Where the Pallas kernels run: on their accelerator (the one a trace compiles for), or
+interpreted on CPU; and the plumbing both kernels share to run inside ``jax.shard_map``.
+
+The platform a trace compiles for (``target_platform``) is the one of the mesh in context
+(``jax.set_mesh``, or ``jax.shard_map``'s own), whose abstract device names it, and
+otherwise ``jax.default_backend()``: under ``jax.set_mesh`` of a TPU topology's devices
+(``jax.experimental.topologies.get_topology_desc``) a CPU-only machine plans, lowers and
+compiles the TPU kernels as a TPU would.
 
 The kernels of ``impl="pallas_tpu"`` and ``impl="pallas_triton"`` compile for a TPU or a
 GPU. For tests and CPU dry runs they can run in Pallas interpret mode instead, selected
@@ -19,10 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import os
 from collections.abc import Iterator
 
 import jax
+from jax import numpy as jnp
 
 from jaxhead._src.head.base import KernelUnsupported
 
@@ -65,12 +74,107 @@ def interpret(mode: str | None = "interpret") -> Iterator[None]:
         _override.reset(token)
 
 
+_compile_for: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "jaxhead_pallas_compile_for", default=None)
+
+
+@contextlib.contextmanager
+def compile_for(platform: str) -> Iterator[None]:
+    """Plans made in this block are for ``platform`` (``"tpu"`` or ``"gpu"``) whatever the
+    backend: for lowering without the devices, e.g. ``jax.jit(f).trace(...).lower(
+    lowering_platforms=("cuda",))`` on a CPU machine (the Triton kernels lower there)."""
+    token = _compile_for.set(platform)
+    try:
+        yield
+    finally:
+        _compile_for.reset(token)
+
+
+_per_device: contextvars.ContextVar[jax.sharding.Mesh | None] = contextvars.ContextVar(
+    "jaxhead_pallas_per_device", default=None)
+
+
+@contextlib.contextmanager
+def per_device(mesh: jax.sharding.Mesh) -> Iterator[None]:
+    """Plans made in this block are for one device of a ``jax.shard_map`` over ``mesh``
+    (made before entering it): their platform is ``mesh``'s, and no partitioning is left."""
+    token = _per_device.set(mesh)
+    try:
+        yield
+    finally:
+        _per_device.reset(token)
+
+
+def target_device():
+    """The abstract device (``device_kind``, ``num_cores``, ``platform``) of the mesh the
+    plans are for (``per_device``), else of the mesh in context, or None (no mesh set, or a
+    mesh without devices)."""
+    mesh = _per_device.get()
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh.abstract_mesh
+    return getattr(mesh, "abstract_device", None)
+
+
+@contextlib.contextmanager
+def target_mesh() -> Iterator[None]:
+    """Make ``per_device``'s mesh the abstract mesh in context while no mesh is (for jax
+    helpers that read the device from it, e.g. ``pltpu.get_tpu_info``); else nothing."""
+    mesh = _per_device.get()
+    if mesh is None or not jax.sharding.get_abstract_mesh().empty:
+        yield
+        return
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        yield
+
+
+def target_platform() -> str:
+    """The platform the current trace compiles for: ``"tpu"``, ``"gpu"``, ``"cpu"``, ...;
+    the mesh in context decides (see the module docstring), else
+    ``jax.default_backend()``; inside ``compile_for(platform)``, that platform."""
+    if _compile_for.get() is not None:
+        return _compile_for.get()
+    device = target_device()
+    platform = jax.default_backend() if device is None else device.platform
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def auto_partitioned_devices() -> int:
+    """Devices a kernel traced here would be split over by XLA's partitioner: the product
+    of the mesh-in-context's axes that are not manual (1 inside a ``jax.shard_map`` over
+    every axis, in ``per_device``, or without a mesh)."""
+    if _per_device.get() is not None:
+        return 1
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = jax.sharding.AxisType.Manual
+    return math.prod(size for size, kind in zip(mesh.axis_sizes, mesh.axis_types)
+                     if kind != manual)
+
+
 def check_platform(mode: str | None, platform: str, kernel: str) -> None:
-    """Raise ``KernelUnsupported`` unless ``kernel`` can run here: interpreted, or on a
-    default backend equal to ``platform`` (``"tpu"`` or ``"gpu"``)."""
-    backend = jax.default_backend()
-    if mode is None and backend != platform:
+    """Raise ``KernelUnsupported`` unless ``kernel`` can run here: interpreted, or compiled
+    for ``platform`` (``"tpu"`` or ``"gpu"``, see ``target_platform``) on one device each
+    (a compiled kernel cannot be split by XLA's partitioner: over a multi-device mesh it
+    must run inside ``jax.shard_map``, as ``jaxhead.sharded_token_logprobs`` does)."""
+    if mode is not None:
+        return
+    target = target_platform()
+    if target != platform:
         raise KernelUnsupported(
-            f"{kernel} needs a {platform} backend, the default backend is {backend!r} "
-            f"(set {ENV_VAR}=1 to run it in Pallas interpret mode)"
+            f"{kernel} needs a {platform} backend, the target is {target!r} (the default "
+            f"backend, or the devices of the mesh set with jax.set_mesh; set {ENV_VAR}=1 "
+            f"to run it in Pallas interpret mode)"
         )
+    split = auto_partitioned_devices()
+    if split > 1:
+        raise KernelUnsupported(
+            f"{kernel}: a compiled kernel cannot be partitioned over the {split} devices of "
+            "the mesh in context; call it inside jax.shard_map (jaxhead.sharded_token_"
+            "logprobs does)")
+
+
+def out_shape(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
+    """A ``pallas_call`` output of ``shape`` / ``dtype`` that varies over the mesh axes any
+    of ``inputs`` varies over: inside ``jax.shard_map`` (``check_vma=True``) a kernel's
+    outputs must say so; outside, the set is empty."""
+    varying = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in inputs))
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype),
+                                manual_axis_type=jax.sharding.ManualAxisType(varying=varying))

@@ -55,9 +55,12 @@ from jaxhead._src.head.base import HeadSpec, Implementation, KernelUnsupported, 
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _LANES = 128
-_DEFAULT_VMEM_BYTES = 64 * 2**20
+_INTERPRET_VMEM_BYTES = 64 * 2**20  # what interpret-mode plans assume (no chip to ask)
+_UNKNOWN_TPU_VMEM_BYTES = 16 * 2**20  # a chip this jax does not know: the smallest (v4)
 _VMEM_BUDGET = 0.75  # fraction of VMEM the tiles may plan for
+_VMEM_CEILING = 0.9  # the largest scoped-VMEM limit a kernel asks for, of the physical
 _MIN_VMEM_LIMIT = 32 * 2**20
+_F32_VMEM_FACTOR = 1.5  # float32 HIGHEST matmuls: Mosaic's temporaries (see vmem_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,21 +111,38 @@ def default_blocks(dtype) -> tuple[int, int]:
 def vmem_bytes(block_tokens: int, block_vocab: int, hidden_size: int, itemsize: int) -> int:
     """Planned VMEM of the largest of the three kernels, in bytes (double-buffered blocks,
     float32 accumulators, ~6 float32 ``[T, C]`` temporaries, per-row ``[T, 1]`` blocks
-    padded to 128 lanes)."""
+    padded to 128 lanes), times 1.5 for float32 inputs.
+
+    Calibrated against the TPU compiler (libtpu 0.0.52, v5e; the smallest scoped limit each
+    kernel compiles under): bf16 ``T, C, H`` = 512, 512, 2048: forward / ``dh`` / ``dW`` use
+    11.8 / 23.0 / 20.5 MiB, the formula says 28 MiB; 256, 512, 4096: 14.8 / 28.2 / 31.3 MiB
+    for 33 MiB. float32 (the ``Precision.HIGHEST`` matmuls split each operand into bf16
+    parts): 256, 512, 2048: 20.9 / 39.7 / 34.3 MiB for 29 x 1.5 = 43.5 MiB; 128, 256,
+    2048: 10.3 / 17.8 / 16.8 MiB for 13.8 x 1.5 = 20.6 MiB. Without the factor the float32
+    ``dh`` kernel overran the limit planned from it on v5p (36.35 MiB of 36.25).
+    """
     t, c, h, b = block_tokens, block_vocab, hidden_size, itemsize
     common = 2 * t * h * b + 2 * h * c * b + 6 * t * c * 4 + 2 * 8 * t * _LANES * 4
     dh = common + 2 * t * h * b + t * h * 4 + h * c * b
     dw = common + 2 * h * c * b + h * c * 4
-    return max(dh, dw)
+    return int(max(dh, dw) * (_F32_VMEM_FACTOR if b == 4 else 1.0))
 
 
-def _vmem_capacity() -> int:
-    if jax.default_backend() != "tpu":
-        return _DEFAULT_VMEM_BYTES
+def vmem_capacity() -> int:
+    """VMEM of one TensorCore of the TPU the trace compiles for (``pallas_mode.
+    target_platform``: the mesh set with ``jax.set_mesh``, else the default backend), from
+    ``pltpu.get_tpu_info()``: v4 16 MiB, v5e 128 MiB, v5p 64 MiB, v6e 128 MiB (what the
+    compiler enforces: larger kernels fail "would exceed memory"). Those are the physical
+    sizes; the compiler's smaller scoped default (16 MiB before v6e, 32 MiB on v6e) does not
+    apply, as every kernel passes its own ``vmem_limit_bytes``. A TPU this jax does not
+    know: 16 MiB. Not compiling for a TPU (interpret mode): 64 MiB."""
+    if pallas_mode.target_platform() != "tpu":
+        return _INTERPRET_VMEM_BYTES
     try:
-        return int(pltpu.get_tpu_info().vmem_capacity_bytes)
+        with pallas_mode.target_mesh():
+            return int(pltpu.get_tpu_info().vmem_capacity_bytes)
     except (AttributeError, ValueError, RuntimeError):  # jax without get_tpu_info / new chip
-        return _DEFAULT_VMEM_BYTES
+        return _UNKNOWN_TPU_VMEM_BYTES
 
 
 def _row_align(dtype) -> int:
@@ -182,17 +202,17 @@ def make_plan(config: PallasTpuConfig | None, spec: HeadSpec) -> tuple[TpuPlan, 
     if spec.vocab_axis is not None:
         raise KernelUnsupported("pallas_tpu has no vocab-parallel variant; it runs on XLA")
     align = _row_align(dtype)
-    capacity = _vmem_capacity()
+    capacity = vmem_capacity()
     t, c = _blocks(config or PallasTpuConfig(), spec, dtype, align, capacity)
     n_tiles = max(1, math.ceil(spec.rows / t))
     tokens = math.ceil(math.ceil(max(spec.rows, 1) / n_tiles) / align) * align
     vocab = min(spec.vocab_size, c)
     need = vmem_bytes(tokens, vocab, spec.hidden_size, dtype.itemsize)
-    if need > 0.9 * capacity:
+    if need > _VMEM_CEILING * capacity:
         raise KernelUnsupported(
-            f"pallas_tpu: tiles {tokens} x {vocab} need ~{need} bytes of VMEM, more than 90% "
-            f"of the {capacity} available")
-    limit = int(min(0.9 * capacity, max(_MIN_VMEM_LIMIT, 1.25 * need)))
+            f"pallas_tpu: tiles {tokens} x {vocab} need ~{need} bytes of VMEM, more than "
+            f"{_VMEM_CEILING:.0%} of the {capacity} available")
+    limit = int(min(_VMEM_CEILING * capacity, max(_MIN_VMEM_LIMIT, 1.25 * need)))
     plan = TpuPlan(spec, tokens, vocab, vmem_limit_bytes=limit, interpret=mode)
     return plan, n_tiles * tokens if spec.rows else 0
 
@@ -342,7 +362,7 @@ def _forward(plan: TpuPlan, h, w, labels, inv_temp, min_logit) -> hm.Rows:
     t, c = plan.block_tokens, plan.block_vocab
     nt, nv = rows // t, pl.cdiv(vocab, c)
     row_spec = pl.BlockSpec((t, 1), lambda i, j: (i, 0))
-    row_out = jax.ShapeDtypeStruct((rows, 1), jnp.float32)
+    row_out = pallas_mode.out_shape((rows, 1), jnp.float32, h, w, labels)
     kernel = functools.partial(_forward_kernel, plan=plan, vocab=vocab, n_vocab_tiles=nv)
     b = h.dtype.itemsize
     cost = pl.CostEstimate(
@@ -379,7 +399,7 @@ def _backward(plan: TpuPlan, h, w, labels, inv_temp, min_logit, m, log_s, ent, g
         [pl.BlockSpec((t, hidden), lambda i, j: (i, 0)),
          pl.BlockSpec((hidden, c), lambda i, j: (0, j))] + [tok_row] * len(rows),
         pl.BlockSpec((t, hidden), lambda i, j: (i, 0)),
-        jax.ShapeDtypeStruct(h.shape, h.dtype),
+        pallas_mode.out_shape(h.shape, h.dtype, h, w, g),
         [pltpu.VMEM((t, hidden), jnp.float32)],
         pl.CostEstimate(flops=flops, transcendentals=trans,
                         bytes_accessed=2 * n * hidden * b + nt * hidden * vocab * b + 28 * n),
@@ -391,7 +411,7 @@ def _backward(plan: TpuPlan, h, w, labels, inv_temp, min_logit, m, log_s, ent, g
         [pl.BlockSpec((t, hidden), lambda j, i: (i, 0)),
          pl.BlockSpec((hidden, c), lambda j, i: (0, j))] + [voc_row] * len(rows),
         pl.BlockSpec((hidden, c), lambda j, i: (0, j)),
-        jax.ShapeDtypeStruct(w.shape, w.dtype),
+        pallas_mode.out_shape(w.shape, w.dtype, h, w, g),
         [pltpu.VMEM((hidden, c), jnp.float32)],
         pl.CostEstimate(flops=flops, transcendentals=trans,
                         bytes_accessed=2 * hidden * vocab * b + nv * n * hidden * b + nv * 28 * n),

@@ -99,17 +99,20 @@ class TritonPlan:
     interpret: str | None
 
 
-def default_config(dtype) -> PallasTritonConfig:
+def default_config(dtype, softcap: bool = False) -> PallasTritonConfig:
     """Starting tiles for H100 / H200 (sm_90, 228 KiB shared memory per SM).
 
     16-bit inputs: ``T=64, C=256, K=64``, 8 warps, 3 stages: a 64 KiB float32 logit tile
     (64 registers a thread over 256 threads), 3 x 40 KiB of staged operands, and
     ``2 T C H / (2 T H) = C`` = 256 FLOPs per byte of the ``h`` panel re-read for each vocab
-    tile. float32 (IEEE, no tensor-core fast path; meant for checks, not speed):
-    ``T=64, C=128, K=32``, 8 warps, 2 stages. Tune on the device; all are overridable.
+    tile. With a soft-cap ``C=128``: the ``tanh`` of the tile needs the registers (at
+    ``C=256`` the forward used all 255 and spilled on sm_90, Triton 3.9; ``C=128``: 145,
+    ``tests/jaxhead/test_triton_compile.py``). float32 (IEEE, no tensor-core fast path;
+    meant for checks, not speed): ``T=64, C=128, K=32``, 8 warps, 2 stages. Tune on the
+    device; all are overridable.
     """
     if jnp.dtype(dtype).itemsize == 2:
-        return PallasTritonConfig(64, 256, 64, num_warps=8, num_stages=3)
+        return PallasTritonConfig(64, 128 if softcap else 256, 64, num_warps=8, num_stages=3)
     return PallasTritonConfig(64, 128, 32, num_warps=8, num_stages=2)
 
 
@@ -117,9 +120,9 @@ def _pow2_at_least(n: int) -> int:
     return max(_MIN_BLOCK, 1 << max(0, n - 1).bit_length())
 
 
-def _resolve(config: PallasTritonConfig | None, dtype) -> PallasTritonConfig:
-    """``config`` with its None fields from ``default_config(dtype)``, checked."""
-    base = default_config(dtype)
+def _resolve(config: PallasTritonConfig | None, dtype, softcap: bool) -> PallasTritonConfig:
+    """``config`` with its None fields from ``default_config(dtype, softcap)``, checked."""
+    base = default_config(dtype, softcap)
     given = {} if config is None else {
         f.name: v for f in dataclasses.fields(config) if (v := getattr(config, f.name)) is not None}
     blocks = dataclasses.replace(base, **given)
@@ -153,7 +156,7 @@ def make_plan(config: PallasTritonConfig | None, spec: HeadSpec) -> tuple[Triton
         raise KernelUnsupported(f"pallas_triton supports bf16, f16 and float32, got {dtype}")
     if spec.vocab_axis is not None:
         raise KernelUnsupported("pallas_triton has no vocab-parallel variant; it runs on XLA")
-    blocks = _resolve(config, dtype)
+    blocks = _resolve(config, dtype, spec.softcap is not None)
     t = min(blocks.block_tokens, _pow2_at_least(spec.rows))
     c = min(blocks.block_vocab, _pow2_at_least(spec.vocab_size))
     k = min(blocks.block_hidden, _pow2_at_least(spec.hidden_size))
@@ -278,7 +281,7 @@ def _forward(plan: TritonPlan, h, w, labels, inv_temp, min_logit) -> hm.Rows:
             pl.BlockSpec((hidden, vocab), lambda i, s: (0, 0)),
         ] + [row_in] * len(per_row),
         out_specs=[part] * 4,
-        out_shape=[jax.ShapeDtypeStruct((splits, rows), jnp.float32)] * 4,
+        out_shape=[pallas_mode.out_shape((splits, rows), jnp.float32, h, w, labels)] * 4,
         name="jaxhead_head_forward",
         **_params(plan),
     )(h, w, *per_row)
@@ -304,7 +307,7 @@ def _du_chunk(plan: TritonPlan, h, w_c, rows):
             pl.BlockSpec((hidden, width), lambda i, j: (0, 0)),
         ] + [row_in] * len(rows),
         out_specs=pl.BlockSpec((t, c), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((n, nc * c), h.dtype),
+        out_shape=pallas_mode.out_shape((n, nc * c), h.dtype, h, w_c, *rows),
         name="jaxhead_head_dlogits",
         **_params(plan),
     )(h, w_c, *rows)

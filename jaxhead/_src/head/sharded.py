@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhead._src import validation
 from jaxhead._src.buckets import DEFAULT_GROWTH, DEFAULT_MULTIPLE, bucket_size
-from jaxhead._src.head import api
+from jaxhead._src.head import api, pallas_mode
 from jaxhead._src.head.base import HeadSpec
 from jaxhead._src.types import HeadOutput
 
@@ -211,7 +211,8 @@ def sharded_token_logprobs(
     n_vocab = 1 if vocab_axis is None else _axis_size(mesh, (vocab_axis,))
     spec = HeadSpec(rows, weight.shape[0], weight.shape[1], jnp.dtype(hidden.dtype).name,
                     softcap, with_entropy, vocab_axis, n_vocab, min_logit is not None)
-    head, made, padded = api.plan(impl, config, spec)
+    with pallas_mode.per_device(mesh):  # a plan for one of mesh's devices, in shard_map
+        head, made, padded = api.plan(impl, config, spec)
 
     per_row = [x.reshape(labels.shape) for x in api.row_inputs(temperature, min_logit,
                                                                 labels.shape)]

@@ -1,0 +1,57 @@
+"""Tunix on jaxhead: per-token log-probs and entropy without Tunix's ``[B, T, V]`` logits.
+
+Tunix (``google-tunix``, https://github.com/google/tunix) computes the policy log-probs of
+its RL losses with ``tunix.rl.common.compute_per_token_logps(..., return_logits=True)``: the
+model returns float32 logits for every position of prompt + completion, and the GRPO / PPO
+losses (``tunix/rl/algo_core.py``) read the label's log-prob and the entropy
+(``compute_entropy_from_logits``) from them. At a Qwen3-8B head (H = 4096, V = 151936) and
+16,384 completion tokens, the loss's forward + backward holds ~31 GiB of temporaries
+(``benchmarks/tunix_memory.py``).
+
+This package computes the same numbers from the model's final hidden states (Tunix's models
+sow them: ``model(..., output_hidden_states=True)`` -> ``nnx.Intermediate``
+``"all_hidden_states"``) and the LM-head weight with ``jaxhead.token_logprobs`` on the
+completion positions only. Under ``jit`` the model's own logits, which nothing reads, are
+removed by the compiler.
+
+  compute_per_token_logps   Tunix's function of that name (same arguments, same return
+                            layout), plus ``return_entropy`` / ``completion_mask``
+  grpo_loss_fn, ppo_loss_fn Tunix 0.1.7's GRPO / PPO policy losses (same arguments, loss and
+                            aux metrics) with log-probs and entropy from jaxhead
+  policy_losses             context manager: Tunix's registry names ``"grpo"`` / ``"ppo"``
+                            resolve to the jaxhead losses inside it (the one line to add)
+  register_model, TunixHead how to find the head weight of a model class (Qwen3 and Qwen2
+                            are built in, tied and untied)
+
+Use (``examples/tunix_grpo.py``)::
+
+    from jaxhead.integrations import tunix as jaxhead_tunix
+
+    with jaxhead_tunix.policy_losses():          # the one line
+        learner = GRPOLearner(rl_cluster=cluster, algo_config=config, reward_fns=reward)
+    learner.train(dataset)
+
+Importing this package requires Tunix (``pip install 'jaxhead[tunix]'``); ``import jaxhead``
+never imports it. Written against Tunix 0.1.7.
+"""
+
+try:
+    import tunix.rl.algo_core  # noqa: F401 - fail here, with the install hint
+except ImportError as err:  # pragma: no cover - exercised only without Tunix installed
+    raise ImportError(
+        "jaxhead.integrations.tunix needs Tunix: pip install 'jaxhead[tunix]' "
+        "(the google-tunix package)"
+    ) from err
+
+from jaxhead.integrations.tunix.heads import TunixHead, register_model
+from jaxhead.integrations.tunix.logps import compute_per_token_logps
+from jaxhead.integrations.tunix.losses import grpo_loss_fn, policy_losses, ppo_loss_fn
+
+__all__ = [
+    "TunixHead",
+    "compute_per_token_logps",
+    "grpo_loss_fn",
+    "policy_losses",
+    "ppo_loss_fn",
+    "register_model",
+]

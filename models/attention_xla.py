@@ -1,0 +1,230 @@
+"""Attention in plain XLA: the dense reference and the blockwise (flash-style) path.
+
+Both take the mask as data, per token: a query reads a key iff both are in the same
+non-zero segment and the key's position is not after the query's. ``dense_attention``
+builds that mask and the scores as whole ``[T, S]`` arrays (the test reference, and the
+one-token decode step, where ``T = 1`` makes them ``[1, S]``). ``chunked_attention``
+never does: it walks ``[block_q, block_kv]`` tiles with an online softmax (float32
+running max and sum) and recomputes each tile in the backward pass, the algorithm of
+FlashAttention (Dao et al., 2022, arXiv:2205.14135) and its FlashAttention-2 backward
+(Dao, 2023, arXiv:2307.08691), written as ``lax.scan`` loops and a ``jax.custom_vjp``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+BLOCK_Q = 512
+BLOCK_KV = 512
+
+
+def attention_mask(q_positions: jax.Array, q_segment_ids: jax.Array, kv_positions: jax.Array,
+                   kv_segment_ids: jax.Array) -> jax.Array:
+    """bool ``[B, T, S]``: query ``t`` may read key ``s``.
+
+    True iff ``q_segment_ids[t] == kv_segment_ids[s] != 0`` and
+    ``kv_positions[s] <= q_positions[t]`` (causal within the segment; positions must
+    increase within a segment). Segment id 0 (padding, empty cache slots) reads and is
+    read by nothing.
+
+    Args:
+      q_positions, q_segment_ids: int ``[B, T]``.
+      kv_positions, kv_segment_ids: int ``[B, S]``.
+    """
+    same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+    causal = kv_positions[:, None, :] <= q_positions[:, :, None]
+    return same & causal & (q_segment_ids[:, :, None] != 0)
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
+                    q_segment_ids: jax.Array, kv_positions: jax.Array,
+                    kv_segment_ids: jax.Array, *, scale: float) -> jax.Array:
+    """Softmax attention with grouped KV heads from a materialised ``[B, T, S]`` mask and
+    float32 ``[B, K, G, T, S]`` scores (memory quadratic in the length: the reference).
+
+    Args:
+      q: ``[B, T, N, D]``; k, v: ``[B, S, K, D]`` with ``N % K == 0`` (query head ``n``
+        reads KV head ``n // (N // K)``); all in the compute dtype.
+      q_positions, q_segment_ids: int ``[B, T]``; kv_positions, kv_segment_ids: int
+        ``[B, S]`` (see ``attention_mask``).
+      scale: multiplies the logits (``D ** -0.5``).
+
+    Returns:
+      ``[B, T, N, D]`` in the dtype of ``v``. A query with no readable key (padding) gets
+      the mean of the values: finite, and ignored by every loss.
+    """
+    mask = attention_mask(q_positions, q_segment_ids, kv_positions, kv_segment_ids)
+    b, t, n, d = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, n // kv_heads, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    logits = jnp.where(mask[:, None, None], logits * scale, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(b, t, n, d).astype(v.dtype)
+
+
+def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
+                      q_segment_ids: jax.Array, kv_positions: jax.Array,
+                      kv_segment_ids: jax.Array, *, scale: float, block_q: int = BLOCK_Q,
+                      block_kv: int = BLOCK_KV) -> jax.Array:
+    """The same attention as ``dense_attention`` with memory linear in the length.
+
+    Queries are cut into blocks of ``block_q`` and keys into blocks of ``block_kv``
+    (lengths are padded up with segment id 0); each ``[block_q, block_kv]`` tile builds
+    its own mask from the tokens' segment ids and positions, and a tile whose mask is all
+    False (a key block after the query block, segments that never meet, padding) skips
+    its matmuls and exponentials under ``lax.cond``. The backward pass (``jax.custom_vjp``)
+    saves only the inputs, the output and the per-row log-sum-exp ``[B, N, T]`` float32,
+    and recomputes every tile.
+
+    Args:
+      q, k, v, q_positions, q_segment_ids, kv_positions, kv_segment_ids, scale: as
+        ``dense_attention``.
+      block_q, block_kv: tile sizes (positive ints; clipped to the lengths).
+
+    Returns:
+      ``[B, T, N, D]`` in the dtype of ``v``; differentiable w.r.t. ``q``, ``k``, ``v``.
+      A query with no readable key (padding) gets 0 (and passes no gradient).
+
+    Raises:
+      ValueError: ``N`` not a multiple of ``K``, or non-positive block sizes.
+    """
+    b, t, n, d = q.shape
+    s, kv_heads = k.shape[1], k.shape[2]
+    if n % kv_heads:
+        raise ValueError(f"{n} query heads are not a multiple of {kv_heads} KV heads")
+    if block_q <= 0 or block_kv <= 0:
+        raise ValueError(f"block sizes must be > 0, got {block_q}, {block_kv}")
+    bq, bk = min(block_q, t), min(block_kv, s)
+    tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
+
+    def pad(x, length):
+        widths = [(0, 0)] * x.ndim
+        widths[1] = (0, length - x.shape[1])
+        return jnp.pad(x, widths)
+
+    q5 = pad(q, tp).reshape(b, tp, kv_heads, n // kv_heads, d)
+    out = _flash(q5, pad(k, sp), pad(v, sp), pad(q_positions, tp), pad(q_segment_ids, tp),
+                 pad(kv_positions, sp), pad(kv_segment_ids, sp), float(scale), bq, bk)
+    return out[:, :t].reshape(b, t, n, d)
+
+
+def _blocks(x: jax.Array, size: int) -> jax.Array:
+    """``[B, L, ...]`` -> ``[L // size, B, size, ...]`` (the scan axis first)."""
+    return jnp.moveaxis(x.reshape(x.shape[0], -1, size, *x.shape[2:]), 1, 0)
+
+
+def _unblocks(x: jax.Array) -> jax.Array:
+    """Inverse of ``_blocks``."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])
+
+
+def _scores(qb, kb, mask, scale):
+    """float32 ``[B, K, G, bq, bk]`` scaled logits, -inf where masked."""
+    s = jnp.einsum("bqkgd,bskd->bkgqs", qb, kb, preferred_element_type=jnp.float32)
+    return jnp.where(mask[:, None, None], s * scale, -jnp.inf)
+
+
+def _forward(q, k, v, qpos, qseg, kpos, kseg, scale, bq, bk):
+    """Output ``[B, T, K, G, D]`` (dtype of v) and log-sum-exp ``[B, K, G, T]`` float32."""
+    kv_xs = (_blocks(k, bk), _blocks(v, bk), _blocks(kpos, bk), _blocks(kseg, bk))
+
+    def query_block(_, q_xs):
+        qb, qp, qs = q_xs
+        b, _, kh, g, d = qb.shape
+        init = (jnp.full((b, kh, g, bq), -jnp.inf, jnp.float32),
+                jnp.zeros((b, kh, g, bq), jnp.float32),
+                jnp.zeros((b, kh, g, bq, d), jnp.float32))
+
+        def key_block(carry, xs):
+            kb, vb, kp, ks = xs
+            mask = attention_mask(qp, qs, kp, ks)
+
+            def update(carry):
+                m, l, acc = carry
+                s = _scores(qb, kb, mask, scale)
+                m_new = jnp.maximum(m, s.max(-1))
+                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                p = jnp.exp(s - m_safe[..., None])
+                alpha = jnp.exp(m - m_safe)
+                pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(vb.dtype), vb,
+                                preferred_element_type=jnp.float32)
+                return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
+
+            return lax.cond(mask.any(), update, lambda c: c, carry), None
+
+        (m, l, acc), _ = lax.scan(key_block, init, kv_xs)
+        seen = l > 0
+        out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
+        return None, (jnp.einsum("bkgqd->bqkgd", out).astype(v.dtype), lse)
+
+    _, (out, lse) = lax.scan(query_block, None,
+                             (_blocks(q, bq), _blocks(qpos, bq), _blocks(qseg, bq)))
+    return _unblocks(out), jnp.moveaxis(lse, 0, -2).reshape(*lse.shape[1:-1], -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _flash(q, k, v, qpos, qseg, kpos, kseg, scale, bq, bk):
+    return _forward(q, k, v, qpos, qseg, kpos, kseg, scale, bq, bk)[0]
+
+
+def _flash_fwd(q, k, v, qpos, qseg, kpos, kseg, scale, bq, bk):
+    out, lse = _forward(q, k, v, qpos, qseg, kpos, kseg, scale, bq, bk)
+    return out, (q, k, v, qpos, qseg, kpos, kseg, out, lse)
+
+
+def _flash_bwd(scale, bq, bk, res, dout):
+    q, k, v, qpos, qseg, kpos, kseg, out, lse = res
+    delta = jnp.einsum("bqkgd,bqkgd->bkgq", dout.astype(jnp.float32),
+                       out.astype(jnp.float32))
+    lse_blocks = jnp.moveaxis(lse.reshape(*lse.shape[:-1], -1, bq), -2, 0)
+    delta_blocks = jnp.moveaxis(delta.reshape(*delta.shape[:-1], -1, bq), -2, 0)
+    q_xs = (_blocks(q, bq), _blocks(dout, bq), _blocks(qpos, bq), _blocks(qseg, bq),
+            lse_blocks, delta_blocks)
+
+    def key_block(dq, kv_xs):
+        kb, vb, kp, ks = kv_xs
+        init = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
+
+        def query_block(carry, xs):
+            qb, dob, qp, qs, lseb, deltab = xs
+            mask = attention_mask(qp, qs, kp, ks)
+
+            def grads(carry):
+                dk, dv = carry
+                p = jnp.exp(_scores(qb, kb, mask, scale) - lseb[..., None])
+                dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p.astype(dob.dtype), dob,
+                                     preferred_element_type=jnp.float32)
+                dp = jnp.einsum("bqkgd,bskd->bkgqs", dob, vb,
+                                preferred_element_type=jnp.float32)
+                ds = (p * (dp - deltab[..., None]) * scale).astype(qb.dtype)
+                dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qb,
+                                     preferred_element_type=jnp.float32)
+                dqb = jnp.einsum("bkgqs,bskd->bqkgd", ds, kb,
+                                 preferred_element_type=jnp.float32)
+                return (dk, dv), dqb
+
+            def skip(carry):
+                return carry, jnp.zeros(qb.shape, jnp.float32)
+
+            return lax.cond(mask.any(), grads, skip, carry)
+
+        (dk, dv), dq_parts = lax.scan(query_block, init, q_xs)
+        return dq + dq_parts, (dk.astype(k.dtype), dv.astype(v.dtype))
+
+    dq0 = jnp.zeros((q.shape[1] // bq, q.shape[0], bq, *q.shape[2:]), jnp.float32)
+    kv_xs = (_blocks(k, bk), _blocks(v, bk), _blocks(kpos, bk), _blocks(kseg, bk))
+    dq, (dk, dv) = lax.scan(key_block, dq0, kv_xs)
+    return (_unblocks(dq).astype(q.dtype), _unblocks(dk), _unblocks(dv),
+            None, None, None, None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

@@ -1,0 +1,146 @@
+"""Attention implementations against the dense reference: packed rows, padding, GQA,
+forward and gradients, the KV-cache paths, the impl switch, and memory linear in length."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import attention_ops
+from models.attention_kernels import KernelUnsupported, check_packing
+from models.attention_ops import cache_attention, self_attention
+from models.attention_xla import chunked_attention, dense_attention
+from models.config import ModelConfig, get_config
+from models.transformer import DecoderLayer
+
+RTOL = 1e-5
+
+
+def packed(lengths_per_row, t):
+    """Positions and segment ids ``[B, T]``: segments 1, 2, ... of the given lengths, then
+    padding (segment 0, positions 0, 1, ...)."""
+    pos, seg = np.zeros((2, len(lengths_per_row), t), np.int32)
+    for row, lengths in enumerate(lengths_per_row):
+        start = 0
+        for i, n in enumerate(lengths):
+            seg[row, start:start + n], pos[row, start:start + n] = i + 1, np.arange(n)
+            start += n
+        pos[row, start:] = np.arange(t - start)
+    return jnp.asarray(pos), jnp.asarray(seg)
+
+
+def qkv(key, b, t, s, n, k, d, dtype=jnp.float32):
+    kq, kk, kv, kw = jax.random.split(key, 4)
+    return (jax.random.normal(kq, (b, t, n, d), dtype), jax.random.normal(kk, (b, s, k, d), dtype),
+            jax.random.normal(kv, (b, s, k, d), dtype), jax.random.normal(kw, (b, t, n, d)))
+
+
+def rel(a, b):
+    return float(jnp.abs(a - b).max() / jnp.abs(b).max())
+
+
+def assert_matches(fn, ref, q, k, v, weight, real):
+    """Forward on real (non-padding) queries, and gradients of ``sum(out * weight)`` with
+    ``weight`` zero on padding queries, within ``RTOL`` of the reference."""
+    mask = real[:, :, None, None]
+
+    def run(f):
+        def loss(*args):
+            out = f(*args)
+            return (out * weight * mask).sum(), out
+
+        return jax.jit(jax.grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+
+    (grads, out), (expect_grads, expect) = run(fn), run(ref)
+    assert rel(out * mask, expect * mask) <= RTOL
+    for name, g, e in zip("qkv", grads, expect_grads):
+        assert rel(g, e) <= RTOL, name
+    return out
+
+
+@pytest.mark.parametrize("blocks", [(8, 16), (16, 8)])
+def test_chunked_matches_dense(blocks):
+    """Ragged tiles (40 tokens padded to 48), rows of 3 segments + padding and 3 full."""
+    t = 40
+    pos, seg = packed([[10, 15, 10], [3, 30, 7]], t)
+    q, k, v, w = qkv(jax.random.key(blocks[0]), 2, t, t, 4, 2, 8)
+    args = (pos, seg, pos, seg)
+    fn = lambda q, k, v: chunked_attention(q, k, v, *args, scale=8 ** -0.5, block_q=blocks[0],
+                                           block_kv=blocks[1])
+    ref = lambda q, k, v: dense_attention(q, k, v, *args, scale=8 ** -0.5)
+    out = assert_matches(fn, ref, q, k, v, w, seg != 0)
+    # padding queries read nothing: exactly zero out
+    assert float(jnp.abs(jnp.where((seg == 0)[:, :, None, None], out, 0)).max()) == 0
+
+
+@pytest.mark.parametrize("impl", ["splash", "pallas_gpu"])
+def test_kernel_matches_dense_interpreted(impl):
+    """The TPU / GPU kernels in Pallas interpret mode (CPU), at 2 x 2 tiles of 128."""
+    pos, seg = packed([[100, 120]], 256)
+    q, k, v, w = qkv(jax.random.key(1), 1, 256, 256, 2, 1, 32)
+    fn = lambda q, k, v: self_attention(q, k, v, pos, seg, scale=0.2, impl=impl)
+    ref = lambda q, k, v: dense_attention(q, k, v, pos, seg, pos, seg, scale=0.2)
+    assert_matches(fn, ref, q, k, v, w, seg != 0)
+
+
+def test_auto_falls_back_with_a_log(monkeypatch, caplog):
+    pos, seg = packed([[7, 9]], 20)   # a 20-token block: not a multiple of splash's 128
+    q, k, v, _ = qkv(jax.random.key(2), 1, 20, 20, 4, 2, 8)
+    with pytest.raises(KernelUnsupported, match="multiple"):
+        self_attention(q, k, v, pos, seg, scale=0.3, impl="splash")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(attention_ops, "chunked_attention", lambda *a, **kw: "chunked")
+    with caplog.at_level(logging.WARNING, logger="models"):
+        assert self_attention(q, k, v, pos, seg, scale=0.3, impl="auto") == "chunked"
+    assert "splash cannot run this call" in caplog.text
+
+
+def test_check_packing_and_config():
+    pos, seg = packed([[4, 4]], 8)
+    check_packing(pos, seg)
+    with pytest.raises(ValueError, match="segment 2"):
+        check_packing(pos.at[0, 6].set(0), seg)
+    with pytest.raises(ValueError, match="attention_impl"):
+        get_config("tiny", attention_impl="flash")
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_cache_paths_match_dense(t):
+    """Decode (T = 1, dense [1, L]) and prefill (T > 1, chunked) over a 24-slot cache with
+    empty slots and two rows of different lengths."""
+    slots = 24
+    kv_pos, kv_seg = packed([[9 + t], [4 + t]], slots)
+    kv_seg = jnp.where(jnp.arange(slots) < 16, kv_seg, 0)       # slots >= 16: not written
+    pos = jnp.stack([jnp.arange(9, 9 + t), jnp.arange(4, 4 + t)]).astype(jnp.int32)
+    seg = jnp.ones((2, t), jnp.int32)
+    q, k, v, _ = qkv(jax.random.key(3), 2, t, slots, 4, 2, 8)
+    args = (pos, seg, kv_pos, kv_seg)
+    out = jax.jit(lambda *a: cache_attention(*a, scale=0.35))(q, k, v, *args)
+    expect = jax.jit(lambda *a: dense_attention(*a, scale=0.35))(q, k, v, *args)
+    assert rel(out, expect) <= RTOL
+
+
+def layer_temp_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """XLA's temp allocation of one decoder layer's forward + backward at ``tokens``."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DecoderLayer(cfg, 0, rngs=nnx.Rngs(0))))
+
+    def loss(state, x, positions, segment_ids):
+        y, _, _ = nnx.merge(graphdef, state)(x, positions, segment_ids)
+        return y.astype(jnp.float32).sum()
+
+    ids = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
+    x = jax.ShapeDtypeStruct((1, tokens, cfg.hidden_size), cfg.dtype)
+    compiled = jax.jit(jax.grad(loss, (0, 1))).lower(state, x, ids, ids).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_memory_linear_in_length():
+    """A Qwen3-0.6B layer (float32): 4x the tokens needs <= 4.5x the temp memory (the dense
+    path needs ~14x, quadratic)."""
+    cfg = get_config("qwen3-0.6b", num_hidden_layers=1, dtype="float32",
+                     attention_impl="xla_chunked")
+    small, large = layer_temp_bytes(cfg, 2048), layer_temp_bytes(cfg, 8192)
+    assert large <= 4.5 * small, (small, large)
