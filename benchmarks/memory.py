@@ -12,7 +12,9 @@ TPU or GPU compile would do (same program, different fusion and scheduling).
     python benchmarks/memory.py --mesh fsdp=4,expert=8,tensor=2 --vocab-axis tensor
     python benchmarks/memory.py --mesh fsdp=2,expert=4 --seq 512 --layers 2   # quick
 
-Prints one markdown table row per mesh.
+Prints one markdown table row per mesh, with the seconds spent lowering and compiling.
+The preset's ``scan_layers`` is kept (on for Qwen3-30B-A3B); ``--no-scan`` unrolls the
+layers.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import time
 
 GIB = 2**30
 
@@ -35,8 +38,10 @@ def _shard_bytes(abstract, shardings) -> int:
 
 
 def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, keep: float,
-            layers: int, vocab_axis: str | None = None, remat: bool = False) -> dict:
-    """Compile the train step for ``mesh_sizes`` on abstract shapes; per-device GiB."""
+            layers: int, vocab_axis: str | None = None, remat: bool = False,
+            scan: bool = True) -> dict:
+    """Compile the train step for ``mesh_sizes`` on abstract shapes; per-device GiB and
+    the lower + compile seconds. ``scan=False`` turns the preset's ``scan_layers`` off."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -49,6 +54,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     from models.mesh import BATCH_AXES, axis_size, batch_sharding, make_mesh, present
 
     cfg = get_config(preset, dtype="bfloat16", param_dtype="float32", remat=remat)
+    cfg = cfg.replace(scan_layers=cfg.scan_layers and scan)
     if layers:
         cfg = cfg.replace(num_hidden_layers=layers)
     mesh = make_mesh(mesh_sizes, devices=jax.devices()[: math.prod(mesh_sizes.values())])
@@ -87,19 +93,21 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     b_shard = batch_sharding(mesh)
     run = jit_sharded(step, mesh, in_shardings=(p_shard, o_shard, b_shard),
                       out_shardings=(p_shard, o_shard, None), donate_argnums=(0, 1))
+    start = time.perf_counter()
     mem = run.lower(params, opt, data).compile().memory_analysis()
+    seconds = time.perf_counter() - start
     param_bytes = _shard_bytes(params, p_shard)  # exact: the shards' sizes
     adam_bytes = _shard_bytes(opt, o_shard)
     peak = (mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
             - mem.alias_size_in_bytes)
     return {
         "preset": preset + (f" ({layers} layers)" if layers else "")
-        + (", remat" if remat else ""),
+        + (", remat" if remat else "") + (", scan" if cfg.scan_layers else ""),
         "mesh": (" x ".join(f"{k}={v}" for k, v in mesh_sizes.items() if v > 1) or "1")
         + (f", vocab over {vocab_axis}" if vocab_axis else ""),
         "devices": math.prod(mesh_sizes.values()), "tokens": per_shard,
         "params": param_bytes / GIB, "adam": adam_bytes / GIB,
-        "temp": mem.temp_size_in_bytes / GIB, "peak": peak / GIB,
+        "temp": mem.temp_size_in_bytes / GIB, "peak": peak / GIB, "compile": seconds,
     }
 
 
@@ -125,6 +133,8 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=0, help="override num_hidden_layers")
     parser.add_argument("--remat", action="store_true",
                         help="recompute each decoder layer in the backward pass")
+    parser.add_argument("--no-scan", action="store_true",
+                        help="unroll the layers even if the preset scans them")
     parser.add_argument("--vocab-axis", default=None,
                         help="mesh axis of a vocab-parallel head (e.g. tensor)")
     args = parser.parse_args(argv)
@@ -135,13 +145,14 @@ def main(argv=None) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     print("| preset | mesh | devices | tokens/device | params GiB | Adam m+v GiB | "
-          "temporaries GiB | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|")
+          "temporaries GiB | peak GiB | compile s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for mesh in meshes:
         row = measure(args.preset, mesh, batch=args.batch, seq=args.seq, keep=args.keep,
-                      layers=args.layers, vocab_axis=args.vocab_axis, remat=args.remat)
+                      layers=args.layers, vocab_axis=args.vocab_axis, remat=args.remat,
+                      scan=not args.no_scan)
         print("| {preset} | {mesh} | {devices} | {tokens} | {params:.3g} | {adam:.3g} | "
-              "{temp:.3g} | {peak:.3g} |".format(**row), flush=True)
+              "{temp:.3g} | {peak:.3g} | {compile:.0f} |".format(**row), flush=True)
 
 
 if __name__ == "__main__":
