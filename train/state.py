@@ -3,8 +3,9 @@ parameter arrays, which optax updates and orbax checkpoints directly.
 
 Parameter keys are the NNX paths joined with dots (``"layers.0.self_attn.q_proj"``,
 ``param_key``; with ``ModelConfig.scan_layers`` ``"layers.self_attn.q_proj"``, stacked
-``[L, ...]``, so a per-layer prefix such as ``"layers.0"`` names nothing). Random initial parameters come from ``train.placement.Placement.init_params``
-(``models.init_sharded``, one ``jit``, directly in the mesh layout).
+``[L, ...]``, so a per-layer prefix such as ``"layers.0"`` names nothing). Random initial
+parameters come from ``train.placement.Placement.init_params`` (``models.init_sharded``,
+one ``jit``, directly in the mesh layout).
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ import pytest
 from flax import nnx
 
 from models import ModelConfig, Transformer, load_model, save_model
-from models.sharding import logical_axes
+from models.sharding import logical_axes, logical_to_mesh
 from tests.support.models import DIMS, MOE_DIMS, causal_inputs, random_model, random_tokens
+from tests.support.multidevice import abstract_mesh
 
 CONFIGS = {"dense": {}, "moe": MOE_DIMS}
 
@@ -147,6 +148,9 @@ def test_layer_axis_is_logical_and_replicated():
     assert axes[("layers", "mlp", "gate_proj")] == ("layers", "expert", "embed", "mlp")
     assert axes[("layers", "self_attn", "q_proj")] == ("layers", "embed", "heads", "head_dim")
     assert dict(model.cfg.sharding_rules)["layers"] is None
+    mesh = abstract_mesh(data=2, fsdp=2, expert=2, tensor=2)
+    spec = logical_to_mesh(axes[("layers", "mlp", "gate_proj")], mesh)
+    assert spec == jax.sharding.PartitionSpec(None, "expert", "fsdp", "tensor")
 
 
 def test_mixed_dense_and_moe_layers_cannot_scan():
