@@ -19,7 +19,9 @@ compiled by the real TPU compiler for the devices of that slice
 assignment, Mosaic kernels for the head. Without it the numbers are the CPU
 approximation, and the ``compiled for`` column says which.
 
-Prints one markdown table row per mesh.
+Prints one markdown table row per mesh, with the seconds spent lowering and compiling.
+The preset's ``scan_layers`` is kept (on for Qwen3-30B-A3B); ``--no-scan`` unrolls the
+layers.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import time
 
 GIB = 2**30
 
@@ -43,10 +46,11 @@ def _shard_bytes(abstract, shardings) -> int:
 
 def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, keep: float,
             layers: int, vocab_axis: str | None = None, remat: bool = False,
-            topology: str | None = None) -> dict:
-    """Compile the train step for ``mesh_sizes`` on abstract shapes; per-device GiB.
-    ``topology``: a TPU slice name (``"v6e:8x8"``) to compile for with the TPU compiler
-    (the mesh's devices are its first ones); None: the host's (fake) CPU devices."""
+            topology: str | None = None, scan: bool = True) -> dict:
+    """Compile the train step for ``mesh_sizes`` on abstract shapes; per-device GiB and
+    the lower + compile seconds. ``topology``: a TPU slice name (``"v6e:8x8"``) to compile
+    for with the TPU compiler (the mesh's devices are its first ones); None: the host's
+    (fake) CPU devices. ``scan=False`` turns the preset's ``scan_layers`` off."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -59,6 +63,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     from models.mesh import BATCH_AXES, axis_size, batch_sharding, make_mesh, present
 
     cfg = get_config(preset, dtype="bfloat16", param_dtype="float32", remat=remat)
+    cfg = cfg.replace(scan_layers=cfg.scan_layers and scan)
     if layers:
         cfg = cfg.replace(num_hidden_layers=layers)
     devices = jax.devices() if topology is None else _topology_devices(topology)
@@ -98,20 +103,22 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     b_shard = batch_sharding(mesh)
     run = jit_sharded(step, mesh, in_shardings=(p_shard, o_shard, b_shard),
                       out_shardings=(p_shard, o_shard, None), donate_argnums=(0, 1))
+    start = time.perf_counter()
     mem = run.lower(params, opt, data).compile().memory_analysis()
+    seconds = time.perf_counter() - start
     param_bytes = _shard_bytes(params, p_shard)  # exact: the shards' sizes
     adam_bytes = _shard_bytes(opt, o_shard)
     peak = (mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
             - mem.alias_size_in_bytes)
     return {
         "preset": preset + (f" ({layers} layers)" if layers else "")
-        + (", remat" if remat else ""),
+        + (", remat" if remat else "") + (", scan" if cfg.scan_layers else ""),
         "mesh": (" x ".join(f"{k}={v}" for k, v in mesh_sizes.items() if v > 1) or "1")
         + (f", vocab over {vocab_axis}" if vocab_axis else ""),
         "devices": math.prod(mesh_sizes.values()), "tokens": per_shard,
         "target": "CPU (approximation)" if topology is None else f"TPU compiler ({topology})",
         "params": param_bytes / GIB, "adam": adam_bytes / GIB,
-        "temp": mem.temp_size_in_bytes / GIB, "peak": peak / GIB,
+        "temp": mem.temp_size_in_bytes / GIB, "peak": peak / GIB, "compile": seconds,
     }
 
 
@@ -144,6 +151,8 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=0, help="override num_hidden_layers")
     parser.add_argument("--remat", action="store_true",
                         help="recompute each decoder layer in the backward pass")
+    parser.add_argument("--no-scan", action="store_true",
+                        help="unroll the layers even if the preset scans them")
     parser.add_argument("--vocab-axis", default=None,
                         help="mesh axis of a vocab-parallel head (e.g. tensor)")
     parser.add_argument("--topology", default=None,
@@ -157,14 +166,14 @@ def main(argv=None) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     print("| preset | mesh | devices | tokens/device | params GiB | Adam m+v GiB | "
-          "temporaries GiB | peak GiB | compiled for |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "temporaries GiB | peak GiB | compile s | compiled for |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mesh in meshes:
         row = measure(args.preset, mesh, batch=args.batch, seq=args.seq, keep=args.keep,
                       layers=args.layers, vocab_axis=args.vocab_axis, remat=args.remat,
-                      topology=args.topology)
+                      topology=args.topology, scan=not args.no_scan)
         print("| {preset} | {mesh} | {devices} | {tokens} | {params:.3g} | {adam:.3g} | "
-              "{temp:.3g} | {peak:.3g} | {target} |".format(**row), flush=True)
+              "{temp:.3g} | {peak:.3g} | {compile:.0f} | {target} |".format(**row), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from models.attention_ops import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from models.scan import REMAT_POLICIES
 from models.sharding import DEFAULT_RULES, normalize_rules
 
 
@@ -33,9 +34,19 @@ class ModelConfig:
     ``router_aux_loss_coef`` (weight a trainer may give the load-balancing loss).
 
     Memory: ``remat`` recomputes each decoder layer in the backward pass
-    (``jax.checkpoint`` around the layer: only the layer inputs are saved), trading one
-    more forward of the layers for activation memory that no longer grows with depth.
-    Decoding with a KV cache never rematerialises.
+    (``jax.checkpoint`` around the layer), trading one more forward of the layers for
+    activation memory; ``remat_policy`` names what each layer still saves:
+    ``"nothing_saved"`` (only the layer inputs: activation memory no longer grows with
+    depth), ``"dots_saved"`` (also the matmul outputs without batch dimensions), ``"full"``
+    (everything: the same as ``remat=False``). Decoding with a KV cache never
+    rematerialises.
+
+    Depth: ``scan_layers`` stacks the decoder layers' parameters on a leading ``[L]`` axis
+    (logical axis ``"layers"``, parameter paths ``layers.<name>`` instead of
+    ``layers.<i>.<name>``) and runs them with ``jax.lax.scan`` (``models.scan``), so the
+    compiled program, and its compile time, do not grow with depth. It needs identical
+    layers: an MoE config whose ``mlp_only_layers`` / ``decoder_sparse_step`` mix dense and
+    sparse layers is rejected. Decoding with a KV cache loops over the layers.
 
     Attention: ``attention_impl`` is ``"auto"`` (by backend: splash on TPU, the Pallas GPU
     kernel on GPU, ``"xla_chunked"`` elsewhere, falling back to ``"xla_chunked"`` with a
@@ -59,7 +70,8 @@ class ModelConfig:
 
     Raises:
       ValueError: inconsistent sizes (heads not divisible, odd head_dim, top-k larger than
-        the number of experts, non-positive sizes, an unknown dtype, ...).
+        the number of experts, non-positive sizes, an unknown dtype or remat policy,
+        ``scan_layers`` over mixed dense / MoE layers, ...).
     """
 
     vocab_size: int
@@ -82,6 +94,8 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.001
     final_logit_softcapping: float | None = None
     remat: bool = False
+    remat_policy: str = "nothing_saved"
+    scan_layers: bool = False
     attention_impl: str = "auto"
     sharding_rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = DEFAULT_RULES
     dtype: jnp.dtype | str = "bfloat16"
@@ -123,6 +137,15 @@ class ModelConfig:
         if self.attention_impl not in ("auto", *ATTENTION_IMPLEMENTATIONS):
             raise ValueError(f"attention_impl must be 'auto' or one of "
                              f"{ATTENTION_IMPLEMENTATIONS}, got {self.attention_impl!r}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"remat_policy must be one of {tuple(REMAT_POLICIES)}, got "
+                             f"{self.remat_policy!r}")
+        if self.scan_layers and self.is_moe and dense:
+            raise ValueError(
+                f"scan_layers needs identical layers, but layers {dense} are dense and the "
+                f"others MoE (mlp_only_layers={self.mlp_only_layers}, decoder_sparse_step="
+                f"{self.decoder_sparse_step}); set scan_layers=False"
+            )
         cap = self.final_logit_softcapping
         if cap is not None and cap <= 0:
             raise ValueError(f"final_logit_softcapping must be > 0 or None, got {cap}")
@@ -152,16 +175,18 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-0.6b": ModelConfig(
         **_QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True,
+        scan_layers=True,
     ),
     "qwen3-1.7b": ModelConfig(
         **_QWEN3_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True,
+        scan_layers=True,
     ),
     "qwen3-30b-a3b": ModelConfig(
         **_QWEN3_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
         num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False,
         num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-        norm_topk_prob=True,
+        norm_topk_prob=True, scan_layers=True,
     ),
     "tiny": ModelConfig(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -4,6 +4,8 @@ directory into a ``Transformer`` and export one back (``config.json`` + safetens
 Tensor layout: HF linear weights are ``[out, in]``; ours are ``[in..., out...]`` with the
 head dimensions split (``q_proj`` ``[H, N, D]``, ``o_proj`` ``[N, D, H]``) and MoE
 experts stacked on a leading ``[E]`` axis (HF stores ``mlp.experts.{e}.*`` per expert).
+With ``ModelConfig.scan_layers`` the layers are stacked too, on a leading ``[L]`` axis
+before the expert one (HF stores ``model.layers.{i}.*`` per layer).
 """
 
 from __future__ import annotations
@@ -130,30 +132,53 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
-    """How one of our parameters is stored: HF key(s), and for kernels how many leading
-    axes of ours are input axes (HF stores ``[prod(out), prod(in)]``). Several keys are
-    stacked on our leading (expert) axis."""
+    """How one of our parameters is stored: HF key(s), and for kernels how many axes of
+    ours (after the stacked ones) are input axes (HF stores ``[prod(out), prod(in)]``).
+    Several keys are stacked on our ``lead`` leading axes (layers and / or experts), in
+    row-major order of those axes."""
 
     keys: tuple[str, ...]
     n_in: int | None = None
-    stacked: bool = False
+    lead: int = 0
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        inner = shape[1:] if self.stacked else shape
+        inner = shape[self.lead:]
         if self.n_in is None:
             return tuple(inner)
         return (math.prod(inner[self.n_in:]), math.prod(inner[:self.n_in]))
 
     def to_ours(self, arrays: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
-        inner = shape[1:] if self.stacked else shape
+        inner = shape[self.lead:]
         one = [a if self.n_in is None else a.T.reshape(inner) for a in arrays]
-        return np.stack(one) if self.stacked else one[0]
+        return np.stack(one).reshape(shape) if self.lead else one[0]
 
     def to_hf(self, value: np.ndarray) -> list[np.ndarray]:
-        parts = list(value) if self.stacked else [value]
+        parts = list(value.reshape(-1, *value.shape[self.lead:])) if self.lead else [value]
         if self.n_in is not None:
             parts = [p.reshape(math.prod(p.shape[:self.n_in]), -1).T for p in parts]
         return [np.ascontiguousarray(p) for p in parts]
+
+
+def _layer_tensors(cfg: ModelConfig, i: int) -> dict[tuple, _Tensor]:
+    """Path within decoder layer ``i`` -> its HF storage."""
+    pre = f"model.layers.{i}."
+    out = {}
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        out[(norm, "scale")] = _Tensor((f"{pre}{norm}.weight",))
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        n_in = 2 if proj == "o_proj" else 1
+        out[("self_attn", proj)] = _Tensor((f"{pre}self_attn.{proj}.weight",), n_in=n_in)
+    for norm in ("q_norm", "k_norm"):
+        out[("self_attn", norm, "scale")] = _Tensor((f"{pre}self_attn.{norm}.weight",))
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        if cfg.is_moe_layer(i):
+            keys = tuple(f"{pre}mlp.experts.{e}.{proj}.weight" for e in range(cfg.num_experts))
+            out[("mlp", proj)] = _Tensor(keys, n_in=1, lead=1)
+        else:
+            out[("mlp", proj)] = _Tensor((f"{pre}mlp.{proj}.weight",), n_in=1)
+    if cfg.is_moe_layer(i):
+        out[("mlp", "router")] = _Tensor((f"{pre}mlp.gate.weight",), n_in=1)
+    return out
 
 
 def _tensor_map(cfg: ModelConfig) -> dict[tuple, _Tensor]:
@@ -164,26 +189,14 @@ def _tensor_map(cfg: ModelConfig) -> dict[tuple, _Tensor]:
     }
     if not cfg.tie_word_embeddings:
         out[("lm_head", "kernel")] = _Tensor(("lm_head.weight",), n_in=1)
-    for i in range(cfg.num_hidden_layers):
-        pre = f"model.layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[("layers", i, norm, "scale")] = _Tensor((f"{pre}{norm}.weight",))
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            n_in = 2 if proj == "o_proj" else 1
-            out[("layers", i, "self_attn", proj)] = _Tensor(
-                (f"{pre}self_attn.{proj}.weight",), n_in=n_in)
-        for norm in ("q_norm", "k_norm"):
-            out[("layers", i, "self_attn", norm, "scale")] = _Tensor(
-                (f"{pre}self_attn.{norm}.weight",))
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            if cfg.is_moe_layer(i):
-                keys = tuple(f"{pre}mlp.experts.{e}.{proj}.weight"
-                             for e in range(cfg.num_experts))
-                out[("layers", i, "mlp", proj)] = _Tensor(keys, n_in=1, stacked=True)
-            else:
-                out[("layers", i, "mlp", proj)] = _Tensor((f"{pre}mlp.{proj}.weight",), n_in=1)
-        if cfg.is_moe_layer(i):
-            out[("layers", i, "mlp", "router")] = _Tensor((f"{pre}mlp.gate.weight",), n_in=1)
+    layers = [_layer_tensors(cfg, i) for i in range(cfg.num_hidden_layers)]
+    if not cfg.scan_layers:
+        out.update({("layers", i, *path): t for i, layer in enumerate(layers)
+                    for path, t in layer.items()})
+        return out
+    for path, first in layers[0].items():  # identical layers (checked by ModelConfig)
+        keys = tuple(key for layer in layers for key in layer[path].keys)
+        out[("layers", *path)] = _Tensor(keys, first.n_in, first.lead + 1)
     return out
 
 
@@ -206,17 +219,22 @@ def _key_files(path: Path) -> dict[str, Path]:
     return out
 
 
-def load_config(path, *, dtype="bfloat16", param_dtype="float32") -> ModelConfig:
-    """``config_from_hf`` of ``path/config.json``.
+def load_config(path, *, dtype="bfloat16", param_dtype="float32",
+                scan_layers: bool = False) -> ModelConfig:
+    """``config_from_hf`` of ``path/config.json``, with ``scan_layers`` set (the stacked
+    layer layout, see ``ModelConfig``).
 
     Raises:
       FileNotFoundError: no ``config.json``. CheckpointError: see ``config_from_hf``.
+      ValueError: ``scan_layers`` with mixed dense / MoE layers (see ``ModelConfig``).
     """
     hf = json.loads((Path(path) / "config.json").read_text())
-    return config_from_hf(hf, dtype=dtype, param_dtype=param_dtype)
+    return config_from_hf(hf, dtype=dtype, param_dtype=param_dtype).replace(
+        scan_layers=scan_layers)
 
 
-def load_model(path, *, dtype="bfloat16", param_dtype="float32") -> Transformer:
+def load_model(path, *, dtype="bfloat16", param_dtype="float32",
+               scan_layers: bool = False) -> Transformer:
     """A ``Transformer`` with the weights of a local HF checkpoint directory.
 
     The directory holds ``config.json`` and either ``model.safetensors``, several
@@ -228,6 +246,8 @@ def load_model(path, *, dtype="bfloat16", param_dtype="float32") -> Transformer:
     Args:
       path: the checkpoint directory.
       dtype: compute dtype; param_dtype: parameter dtype (float32 or bfloat16 each).
+      scan_layers: build the stacked-layer model (``ModelConfig.scan_layers``); the
+        per-layer HF tensors are stacked on its leading ``[L]`` axis.
 
     Returns:
       ``Transformer`` on the default device.
@@ -238,9 +258,10 @@ def load_model(path, *, dtype="bfloat16", param_dtype="float32") -> Transformer:
         config (key, expected and found shapes named); tensors the model does not use;
         ``lm_head.weight`` present in a tied checkpoint but different from the embedding.
       FileNotFoundError: no ``config.json``.
+      ValueError: ``scan_layers`` with mixed dense / MoE layers.
     """
     path = Path(path)
-    cfg = load_config(path, dtype=dtype, param_dtype=param_dtype)
+    cfg = load_config(path, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers)
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     params = nnx.to_flat_state(nnx.state(model, nnx.Param))
     tensors = _tensor_map(cfg)

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 #: Every logical axis name a parameter may use.
-LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "expert")
+LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "expert", "layers")
 
 
 def logical_axes(model: nnx.Module) -> dict[tuple, tuple[str, ...]]:
@@ -59,7 +59,8 @@ def logical_partition_specs(model: nnx.Module) -> nnx.State:
 
 #: Logical axis -> mesh axis (or None: replicated), for the ``models.mesh`` axes:
 #: experts over ``expert``; the hidden ("embed") dimension over ``fsdp`` (ZeRO-3);
-#: heads, MLP width and vocabulary over ``tensor`` (Megatron); ``head_dim`` replicated.
+#: heads, MLP width and vocabulary over ``tensor`` (Megatron); ``head_dim`` and the stacked
+#: layer axis of ``ModelConfig.scan_layers`` (``"layers"``) replicated.
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("expert", "expert"),
     ("embed", "fsdp"),
@@ -68,6 +69,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("vocab", "tensor"),
     ("head_dim", None),
+    ("layers", None),
 )
 
 

@@ -15,7 +15,8 @@ from models.cache import KVCache, check_room, init_cache, layer_view, write_toke
 from models.config import ModelConfig
 from models.layers import MLP, RMSNorm, embedding
 from models.mesh import BATCH_AXES, active_mesh, present
-from models.moe import MoE, load_balancing_loss
+from models.moe import MoE, RouterStats, load_balancing_loss
+from models.scan import REMAT_POLICIES, layer_at, scan_layers, stack_modules
 
 
 class DecoderOutput(NamedTuple):
@@ -74,7 +75,9 @@ class Transformer(nnx.Module):
     """Qwen3 (dense) / Qwen3-MoE decoder with a jaxhead LM head.
 
     Attributes (parameter tree, Hugging Face-like names): ``embed_tokens`` (``nnx.Embed``
-    ``[V, H]``), ``layers[i]`` (``DecoderLayer``), ``norm``, ``lm_head``
+    ``[V, H]``), ``layers[i]`` (``DecoderLayer``; with ``cfg.scan_layers`` one
+    ``DecoderLayer`` whose parameters are stacked on a leading ``[L]`` axis, see
+    ``models.scan``), ``norm``, ``lm_head``
     (``jaxhead.LMHead``: ties to ``embed_tokens`` when ``cfg.tie_word_embeddings``, else
     owns an ``[H, V]`` kernel; soft-cap ``cfg.final_logit_softcapping``).
 
@@ -86,9 +89,8 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed_tokens = embedding(cfg, rngs)
-        self.layers = nnx.List(
-            [DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)]
-        )
+        layers = [DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)]
+        self.layers = stack_modules(layers) if cfg.scan_layers else nnx.List(layers)
         self.norm = RMSNorm(cfg.hidden_size, "embed", eps=cfg.rms_norm_eps, dtype=cfg.dtype,
                             param_dtype=cfg.param_dtype, rngs=rngs)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
@@ -138,11 +140,41 @@ class Transformer(nnx.Module):
             overflow = check_room(cache, tokens.shape[1])
             cache = write_tokens(cache, positions, segment_ids)
         x = self.embed_tokens(tokens)
+        if cache is None and self.cfg.scan_layers:
+            x, stats = self._scan(x, positions, segment_ids)
+        else:
+            x, cache, stats = self._loop(x, positions, segment_ids, cache)
+        if cache is not None:
+            cache = cache._replace(index=cache.index + tokens.shape[1])
+        aux = load_balancing_loss(stats) if stats else jnp.zeros((), jnp.float32)
+        hidden = self.norm(x)
+        if overflow is not None:  # traced index past the cache: NaN, never a wrong value
+            hidden = jnp.where(overflow, jnp.nan, hidden)
+        return DecoderOutput(hidden, cache, aux)
+
+    def _scan(self, x, positions, segment_ids) -> tuple[jax.Array, list[RouterStats]]:
+        """The stacked layers over ``x`` ``[B, T, H]`` with ``jax.lax.scan``; the router
+        statistics summed over the layers (one entry, or none for a dense model)."""
+        policy = self.cfg.remat_policy if self.cfg.remat else "full"
+
+        def body(layer, x):
+            x, _, layer_stats = layer(x, positions, segment_ids)
+            return x, layer_stats
+
+        x, stats = scan_layers(self.layers, body, x, policy=policy)
+        return x, [] if stats is None else [RouterStats(*(s.sum(0) for s in stats))]
+
+    def _loop(self, x, positions, segment_ids, cache):
+        """The layers one by one (unrolled); with a ``cache``, each layer writes its keys
+        and values. Returns ``(x, cache with the new keys / values, router stats)``."""
+        policy = REMAT_POLICIES[self.cfg.remat_policy] if self.cfg.remat else None
         keys, values, stats = [], [], []
-        for i, layer in enumerate(self.layers):
+        for i in range(self.cfg.num_hidden_layers):
+            layer = layer_at(self.layers, i) if self.cfg.scan_layers else self.layers[i]
             kv = None if cache is None else layer_view(cache, i)
-            if self.cfg.remat and kv is None:
-                x, _, layer_stats = nnx.remat(_call_layer)(layer, x, positions, segment_ids)
+            if policy is not None and kv is None:
+                x, _, layer_stats = nnx.remat(_call_layer, policy=policy)(
+                    layer, x, positions, segment_ids)
             else:
                 x, kv, layer_stats = layer(x, positions, segment_ids, kv)
             if kv is not None:
@@ -151,13 +183,8 @@ class Transformer(nnx.Module):
             if layer_stats is not None:
                 stats.append(layer_stats)
         if cache is not None:
-            cache = cache._replace(keys=tuple(keys), values=tuple(values),
-                                   index=cache.index + tokens.shape[1])
-        aux = load_balancing_loss(stats) if stats else jnp.zeros((), jnp.float32)
-        hidden = self.norm(x)
-        if overflow is not None:  # traced index past the cache: NaN, never a wrong value
-            hidden = jnp.where(overflow, jnp.nan, hidden)
-        return DecoderOutput(hidden, cache, aux)
+            cache = cache._replace(keys=tuple(keys), values=tuple(values))
+        return x, cache, stats
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty ``KVCache`` of ``max_len`` slots per row (``models.cache.init_cache``)."""

@@ -52,6 +52,8 @@ def make_optimizer(cfg, total_steps: int) -> tuple[optax.GradientTransformation,
     """``(tx, schedule)``: ``clip_by_global_norm(cfg.clip_norm)`` then
     ``adamw(schedule, b1, b2, eps, weight_decay)``; parameters named by ``cfg.frozen``
     get a zero update and no optimiser state (``optax.multi_transform``).
+    ``tx.init`` raises ``ValueError`` for a ``frozen`` / ``lr_multipliers`` prefix that
+    matches no parameter (``check_prefixes``).
 
     Args:
       cfg: the ``optim`` config section (lr, warmup_steps, decay, end_lr_ratio, b1, b2,
@@ -78,11 +80,28 @@ def make_optimizer(cfg, total_steps: int) -> tuple[optax.GradientTransformation,
                 return f"group{i}"
         return "train"
 
+    def labels(params: dict) -> dict[str, str]:
+        check_prefixes(list(params), (*frozen, *(prefix for prefix, _ in mults)))
+        return {k: label(k) for k in params}
+
     groups = {"train": adamw(1.0), "frozen": optax.set_to_zero()}
     groups.update({f"group{i}": adamw(m) for i, (_, m) in enumerate(mults)})
-    tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), optax.multi_transform(
-        groups, lambda params: {k: label(k) for k in params}))
+    tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                     optax.multi_transform(groups, labels))
     return tx, lr
+
+
+def check_prefixes(names: list[str], prefixes: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` naming the first of ``prefixes`` that matches none of the
+    parameter ``names`` (a typo, or a per-layer ``"layers.N"`` prefix on a
+    ``ModelConfig.scan_layers`` model, whose layers are stacked as ``layers.<name>``)."""
+    for prefix in prefixes:
+        if not any(is_frozen(name, (prefix,)) for name in names):
+            raise ValueError(
+                f"optim prefix {prefix!r} matches no parameter (e.g. {names[:3]}); a model "
+                f"with scan_layers stacks its layers as 'layers.<name>' [L, ...], so "
+                f"per-layer prefixes such as 'layers.0' need scan_layers=False"
+            )
 
 
 def lr_multipliers(cfg) -> tuple[tuple[str, float], ...]:

@@ -85,8 +85,9 @@ def build(cfg) -> Setup:
     check_resumable(workdir / GRPO_DIR, cfg.train.steps)
     hf_params = None
     if cfg.model.hf_checkpoint:
+        scan = bool(cfg.model.overrides.get("scan_layers", False))
         mdef, hf_params = state.load_hf(cfg.model.hf_checkpoint, dtype=cfg.model.dtype,
-                                        param_dtype=cfg.model.param_dtype)
+                                        param_dtype=cfg.model.param_dtype, scan_layers=scan)
         mdef = state.ModelDef.of(mdef.cfg.replace(sharding_rules=cfg.mesh.rules))
     else:
         mdef = state.ModelDef.of(model_config(cfg))

@@ -2,8 +2,10 @@
 parameter arrays, which optax updates and orbax checkpoints directly.
 
 Parameter keys are the NNX paths joined with dots (``"layers.0.self_attn.q_proj"``,
-``param_key``). Random initial parameters come from ``train.placement.Placement.init_params``
-(``models.init_sharded``, one ``jit``, directly in the mesh layout).
+``param_key``; with ``ModelConfig.scan_layers`` ``"layers.self_attn.q_proj"``, stacked
+``[L, ...]``, so a per-layer prefix such as ``"layers.0"`` names nothing). Random initial
+parameters come from ``train.placement.Placement.init_params`` (``models.init_sharded``,
+one ``jit``, directly in the mesh layout).
 """
 
 from __future__ import annotations
@@ -66,8 +68,10 @@ def params_of(model: nnx.Module) -> Params:
     return {param_key(p): v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-def load_hf(path, *, dtype: str, param_dtype: str) -> tuple[ModelDef, Params]:
-    """``(ModelDef, params)`` of a local Hugging Face checkpoint directory.
+def load_hf(path, *, dtype: str, param_dtype: str,
+            scan_layers: bool = False) -> tuple[ModelDef, Params]:
+    """``(ModelDef, params)`` of a local Hugging Face checkpoint directory (``scan_layers``:
+    the stacked layer layout, keys ``layers.<name>``; see ``models.ModelConfig``).
 
     Raises:
       FileNotFoundError: ``path`` is not a directory (named), or has no ``config.json``.
@@ -75,6 +79,7 @@ def load_hf(path, *, dtype: str, param_dtype: str) -> tuple[ModelDef, Params]:
     """
     if not Path(path).is_dir():
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
-    model = models.load_model(path, dtype=dtype, param_dtype=param_dtype)
+    model = models.load_model(path, dtype=dtype, param_dtype=param_dtype,
+                              scan_layers=scan_layers)
     return ModelDef.of(model.cfg), params_of(model)
 

@@ -78,7 +78,8 @@ def test_every_parameter_has_logical_axes(preset):
     n_params = len(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     assert len(axes) == n_params
     used = {name for names in axes.values() for name in names}
-    expected = set(LOGICAL_AXES) - ({"expert"} if preset == "tiny" else set())
+    # "layers" is the stacked layer axis of scan_layers (tests/models/test_scan_layers.py)
+    expected = set(LOGICAL_AXES) - {"layers"} - ({"expert"} if preset == "tiny" else set())
     assert used == expected
     assert axes[("layers", 0, "self_attn", "k_proj")] == ("embed", "kv_heads", "head_dim")
     specs = logical_partition_specs(model)

@@ -21,5 +21,5 @@ def test_memory_benchmark_tiny():
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
     assert cells[1:4] == ["fsdp=2 x expert=2", "4", "32"]
     params, adam, temp, peak = map(float, cells[4:8])
-    assert cells[8] == "CPU (approximation)"
+    assert float(cells[8]) > 0 and cells[9] == "CPU (approximation)"
     assert abs(adam - 2 * params) <= 1e-2 * adam and 0 < temp and peak >= params + adam

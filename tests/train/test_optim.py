@@ -44,3 +44,12 @@ def test_bad_frozen_raises():
         frozen_prefixes(c)
     c.frozen = ("embed_tokens", "layers.0")
     assert frozen_prefixes(c) == ("embed_tokens", "layers.0")
+
+
+def test_prefix_matching_no_parameter_raises():
+    """e.g. a per-layer prefix on a scan_layers model, whose layers are 'layers.<name>'."""
+    c = base_config().train.optim
+    c.lr_multipliers = (("layers.0", 2.0),)
+    tx, _ = make_optimizer(c, 10)
+    with pytest.raises(ValueError, match=r"'layers.0' matches no parameter .* scan_layers"):
+        tx.init({"layers.self_attn.q_proj": jnp.ones((3, 4)), "norm.scale": jnp.ones(4)})
