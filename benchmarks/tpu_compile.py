@@ -39,8 +39,16 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support, from a checkout
 from tests.support.tpu_compile import (  # noqa: E402
-    MIB, SHAPES, TOPOLOGIES, Case, compile_case, kernel_vmem, mesh_for, topology_devices,
-    tpu_plan)
+    MIB,
+    SHAPES,
+    TOPOLOGIES,
+    Case,
+    compile_case,
+    kernel_vmem,
+    mesh_for,
+    topology_devices,
+    tpu_plan,
+)
 
 
 def cases(shapes, impls, modes) -> list[Case]:

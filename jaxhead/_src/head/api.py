@@ -18,8 +18,7 @@ import numpy as np
 
 from jaxhead._src import compaction, validation
 from jaxhead._src.buckets import bucket_size
-from jaxhead._src.head import (pallas_mode, pallas_tpu, pallas_triton, probe, reference, xla,
-                               xla_cpu)
+from jaxhead._src.head import pallas_mode, pallas_tpu, pallas_triton, probe, reference, xla, xla_cpu
 from jaxhead._src.head.base import HeadImplementation, HeadSpec, KernelUnsupported
 from jaxhead._src.types import HeadOutput
 

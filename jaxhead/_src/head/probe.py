@@ -64,7 +64,8 @@ def _one_device():
     checked that nothing would partition it: ``pallas_mode.check_platform``). Clearing the
     concrete mesh of ``jax.set_mesh`` inside a trace has no public API in jax 0.10; without
     the private one the probe runs under that mesh (and may wrongly refuse the kernel)."""
-    from jax._src import mesh as mesh_lib, sharding_impls
+    from jax._src import mesh as mesh_lib
+    from jax._src import sharding_impls
 
     use_concrete = getattr(sharding_impls, "_internal_use_concrete_mesh", None)
     empty = getattr(mesh_lib, "empty_concrete_mesh", None)
