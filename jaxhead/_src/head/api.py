@@ -165,22 +165,24 @@ def run_compacted(head, made, padded: int, h, weight, y, inv_temp, min_logit, ke
 
 
 def ignored_labels(labels, keep, bucket, ignore_index):
-    """``(keep, ignored)`` for a call whose ``keep`` may be None.
+    """``(labels, keep, ignored)`` for a call whose ``keep`` may be None.
 
     With concrete labels (or a ``bucket`` to compact into), labels equal to
     ``ignore_index`` become a keep mask (None when there are none). With traced labels and
     no bucket, compacting into all ``N`` rows would save nothing and cost a gather and a
     scatter of ``[N, H]``: the head then runs on every row in order and ``ignored`` (bool,
-    labels' shape) marks the rows whose outputs ``mask_ignored`` zeroes. ``ignored`` is
+    labels' shape) marks the rows whose outputs ``mask_ignored`` zeroes (their labels
+    become 0, a valid id, so that the label rule does not fire on them). ``ignored`` is
     None otherwise."""
     if keep is not None or ignore_index is None:
-        return keep, None
+        return labels, keep, None
     if validation.is_concrete(labels):
         keep = np.asarray(labels) != ignore_index
-        return (None if keep.all() else keep), None
+        return labels, (None if keep.all() else keep), None
     if bucket is not None:
-        return labels != ignore_index, None
-    return None, labels == ignore_index
+        return labels, labels != ignore_index, None
+    ignored = labels == ignore_index
+    return jnp.where(ignored, 0, labels), None, ignored
 
 
 def mask_ignored(ignored, logp, ent):
@@ -286,9 +288,7 @@ def token_logprobs(
     """
     validation.check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit)
     hidden_size, vocab_size = weight.shape
-    keep, ignored = ignored_labels(labels, keep, bucket, ignore_index)
-    if ignored is not None:
-        labels = jnp.where(ignored, 0, labels)
+    labels, keep, ignored = ignored_labels(labels, keep, bucket, ignore_index)
     validation.check_values(labels, keep, temperature, vocab_size)
     batch_shape = labels.shape
     num_tokens = math.prod(batch_shape)

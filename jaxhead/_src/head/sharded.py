@@ -177,9 +177,7 @@ def sharded_token_logprobs(
       TypeError: as ``jaxhead.token_logprobs``.
     """
     validation.check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit)
-    keep, ignored = api.ignored_labels(labels, keep, bucket, ignore_index)
-    if ignored is not None:
-        labels = jnp.where(ignored, 0, labels)
+    labels, keep, ignored = api.ignored_labels(labels, keep, bucket, ignore_index)
     if _fully_known(labels, keep, temperature):
         validation.check_values(labels, keep, temperature, weight.shape[1])
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
