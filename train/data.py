@@ -23,6 +23,19 @@ from collections.abc import Iterator
 
 from train.tokenizer import Tokenizer
 
+#: How far apart the training streams of two run seeds start (``training_seed``): more
+#: positions than any run draws, so different run seeds never share an item.
+SEED_STRIDE = 10**7
+
+
+def training_seed(train_seed: int, run_seed: int) -> int:
+    """The reasoning-gym seed of a run's training stream: ``train_seed + SEED_STRIDE *
+    run_seed``. The run's ``seed`` thus changes the data order (with the model init and
+    the sampling noise) while ``seed = 0`` keeps ``data.train_seed``'s stream; the eval set
+    (``data.eval_seed``) is the same for every run seed."""
+    return train_seed + SEED_STRIDE * run_seed
+
+
 SYSTEM_PROMPT = (
     "Solve the problem. Reply with only the final answer inside <answer> </answer> tags."
 )

@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from train.checkpoint import Checkpointer, check_resumable
-from train.data import Problem
+from train.data import Problem, training_seed
 from train.metrics import peak_memory_bytes
 from train.optim import frozen_prefixes, make_optimizer
 from train.setup import Setup
@@ -129,7 +129,8 @@ class Loop:
             key = jax.random.wrap_key_data(items["rng"]["key"])
             position, first = meta["data_position"], meta["step"] + 1
             print(f"{stage.name}: resuming from checkpoint step {meta['step']}", flush=True)
-        stream = s.tasks.train_stream(cfg.data.train_seed, s.exclude, start=position)
+        stream = s.tasks.train_stream(training_seed(cfg.data.train_seed, cfg.seed), s.exclude,
+                                     start=position)
         bar = tqdm(total=stage.steps, initial=first - 1, desc=stage.name,
                    disable=not s.writer.enabled)
         for step in range(first, stage.steps + 1):

@@ -142,7 +142,8 @@ def banner(cfg, s: Setup, entry: str, config_file: str | None = None) -> str:
         stages.append(f"GRPO {cfg.train.steps} steps x {r.prompts_per_step} prompts x "
                       f"{r.group_size} samples")
     return "\n".join([
-        f"{entry}: config {config_file or '(given)'}, run directory {s.workdir}",
+        (f"{entry}: config {config_file or '(given)'}, run directory {s.workdir}, "
+         f"seed {cfg.seed}"),
         (f"devices: {len(devices)} x {devices[0].device_kind} in {jax.process_count()} "
          "process(es), mesh " + " x ".join(f"{a}={n}" for a, n in mesh.shape.items())),
         (f"model: {source}, {_millions(sum(sizes.values()))} parameters "

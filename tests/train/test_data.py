@@ -49,6 +49,17 @@ def test_eval_set_is_held_out(tok):
     assert not set(drawn) & set(questions)
 
 
+def test_run_seed_changes_the_training_stream_not_the_eval_set(tok):
+    tasks = data.Tasks(SPEC, tok, 128)
+    assert data.training_seed(1, 0) == 1  # seed 0 keeps data.train_seed's stream
+    streams = [[p.question for _, (_, p) in zip(range(200), tasks.train_stream(
+        data.training_seed(1, seed), set()))] for seed in (0, 1, 2)]
+    for a, b in ((0, 1), (0, 2), (1, 2)):
+        assert sum(x == y for x, y in zip(streams[a], streams[b])) < 20  # not the same order
+    # the stride keeps two run seeds' item seeds (seed + i) apart for every position drawn
+    assert data.training_seed(1, 1) - data.training_seed(1, 0) >= 10**7
+
+
 def test_long_prompts_are_skipped_and_counted(tok):
     tasks = data.Tasks({"chain_sum": {"min_terms": 2, "max_terms": 12}}, tok, 60)
     stream = tasks.train_stream(1, set())
