@@ -149,8 +149,9 @@ def _ranges(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[range]:
 
 def _runs(ranges: list[range], shape: tuple[int, ...]) -> list[slice]:
     """The contiguous runs, in row-major order, of the flat (row-major) positions that the
-    block ``ranges`` of an array of ``shape`` covers: one run when only the first partly
-    taken axis is split (the usual case), else one per index of the axes before it."""
+    block ``ranges`` of an array of ``shape`` covers: one run when every axis after the
+    first partly taken one is whole (e.g. heads split, ``head_dim`` whole), else one per
+    index of the axes before the last partly taken one."""
     cut = max((k for k, (r, n) in enumerate(zip(ranges, shape)) if len(r) != n), default=-1)
     if cut < 0:
         return [slice(0, math.prod(shape))]
