@@ -5,6 +5,7 @@ Public API:
   Transformer, DecoderOutput         the decoder (hidden states, KV cache, MoE aux loss)
   KVCache, init_cache                fixed-size cache for prefill + decode steps
   load_model, save_model, load_config, CheckpointError   HF safetensors import / export
+  load_params                        HF parameters read per process in a mesh layout
   logical_axes, logical_partition_specs                   parameter logical axis names
   DEFAULT_RULES, state_shardings, init_sharded, jit_sharded
                                      placement on a models.mesh mesh (models.sharding);
@@ -13,7 +14,7 @@ Public API:
 
 from models.cache import KVCache, init_cache
 from models.config import PRESETS, ModelConfig, get_config
-from models.hf import CheckpointError, load_config, load_model, save_model
+from models.hf import CheckpointError, load_config, load_model, load_params, save_model
 from models.mesh import BATCH_AXES, MeshConfig, make_mesh
 from models.sharding import (
     DEFAULT_RULES,
@@ -41,6 +42,7 @@ __all__ = [
     "jit_sharded",
     "load_config",
     "load_model",
+    "load_params",
     "logical_axes",
     "logical_partition_specs",
     "make_mesh",

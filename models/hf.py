@@ -6,23 +6,31 @@ head dimensions split (``q_proj`` ``[H, N, D]``, ``o_proj`` ``[N, D, H]``) and M
 experts stacked on a leading ``[E]`` axis (HF stores ``mlp.experts.{e}.*`` per expert).
 With ``ModelConfig.scan_layers`` the layers are stacked too, on a leading ``[L]`` axis
 before the expert one (HF stores ``model.layers.{i}.*`` per layer).
+
+Import on a mesh (``load_params`` with shardings, ``load_model(mesh=...)``): each process
+reads from the files only the slices of the parameters its own devices hold
+(``safe_open(...).get_slice``), mapped through those transposes and stackings.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from models.config import ModelConfig
+from models.sharding import state_shardings
 from models.transformer import Transformer
 
 #: Supported ``architectures[0]`` of ``config.json`` and their ``model_type``.
@@ -130,6 +138,32 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str) -> dict:
     return hf
 
 
+def _ranges(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[range]:
+    """``index`` (one ``slice`` per axis of ``shape``, as ``jax.make_array_from_callback``
+    passes) as one ``range`` per axis, with a step of 1."""
+    out = [range(*s.indices(n)) for s, n in zip(index, shape, strict=True)]
+    if any(r.step != 1 for r in out):
+        raise ValueError(f"strided index {index} of an array of shape {shape}")
+    return out
+
+
+def _runs(ranges: list[range], shape: tuple[int, ...]) -> list[slice]:
+    """The contiguous runs, in row-major order, of the flat (row-major) positions that the
+    block ``ranges`` of an array of ``shape`` covers: one run when every axis after the
+    first partly taken one is whole (e.g. heads split, ``head_dim`` whole), else one per
+    index of the axes before the last partly taken one."""
+    cut = max((k for k, (r, n) in enumerate(zip(ranges, shape)) if len(r) != n), default=-1)
+    if cut < 0:
+        return [slice(0, math.prod(shape))]
+    strides = [math.prod(shape[k + 1:]) for k in range(len(shape))]
+    out = []
+    for outer in itertools.product(*ranges[:cut]):
+        base = sum(i * s for i, s in zip(outer, strides))
+        out.append(slice(base + ranges[cut].start * strides[cut],
+                         base + ranges[cut].stop * strides[cut]))
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
     """How one of our parameters is stored: HF key(s), and for kernels how many axes of
@@ -147,10 +181,33 @@ class _Tensor:
             return tuple(inner)
         return (math.prod(inner[self.n_in:]), math.prod(inner[:self.n_in]))
 
-    def to_ours(self, arrays: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
-        inner = shape[self.lead:]
-        one = [a if self.n_in is None else a.T.reshape(inner) for a in arrays]
-        return np.stack(one).reshape(shape) if self.lead else one[0]
+    def read(self, get, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+        """The block ``index`` of our ``shape``-d parameter, in the file dtype.
+
+        Reads exactly the file slices the block needs through ``get(key, hf_index)``
+        (``hf_index`` a tuple of ``slice`` s of the HF tensor ``key``): the stacked keys
+        the leading ranges select, and of each the rows / columns the inner ranges map to
+        (the block of a transposed, head-split kernel is one rectangle of the HF ``[out,
+        in]`` matrix unless a split axis follows a partly taken one, e.g. ``head_dim``
+        sharded, then several).
+        """
+        ranges = _ranges(index, shape)
+        lead, inner = shape[:self.lead], shape[self.lead:]
+        outer, within = ranges[:self.lead], ranges[self.lead:]
+        strides = [math.prod(lead[k + 1:]) for k in range(self.lead)]
+        keys = [self.keys[sum(i * s for i, s in zip(pos, strides))]
+                for pos in itertools.product(*outer)]
+        parts = []
+        for key in keys:
+            if self.n_in is None:
+                parts.append(get(key, tuple(slice(r.start, r.stop) for r in within)))
+                continue
+            rows = _runs(within[self.n_in:], inner[self.n_in:])
+            cols = _runs(within[:self.n_in], inner[:self.n_in])
+            block = np.concatenate([np.concatenate([get(key, (r, c)) for c in cols], axis=1)
+                                    for r in rows])
+            parts.append(block.T.reshape([len(r) for r in within]))
+        return np.stack(parts).reshape([len(r) for r in ranges]) if self.lead else parts[0]
 
     def to_hf(self, value: np.ndarray) -> list[np.ndarray]:
         parts = list(value.reshape(-1, *value.shape[self.lead:])) if self.lead else [value]
@@ -233,80 +290,143 @@ def load_config(path, *, dtype="bfloat16", param_dtype="float32",
         scan_layers=scan_layers)
 
 
-def load_model(path, *, dtype="bfloat16", param_dtype="float32",
-               scan_layers: bool = False) -> Transformer:
-    """A ``Transformer`` with the weights of a local HF checkpoint directory.
-
-    The directory holds ``config.json`` and either ``model.safetensors``, several
-    ``*.safetensors``, or shards listed by ``model.safetensors.index.json``. Tensors of
-    any float dtype are converted to ``param_dtype`` (bfloat16 rounds to nearest even).
-    Parameters are never randomly initialised (the model is built abstractly, then
-    filled).
-
-    Args:
-      path: the checkpoint directory.
-      dtype: compute dtype; param_dtype: parameter dtype (float32 or bfloat16 each).
-      scan_layers: build the stacked-layer model (``ModelConfig.scan_layers``); the
-        per-layer HF tensors are stacked on its leading ``[L]`` axis.
-
-    Returns:
-      ``Transformer`` on the default device.
-
-    Raises:
-      CheckpointError: unsupported architecture / setting; a tensor the config requires
-        is missing (key and expected shape named); a tensor's shape disagrees with the
-        config (key, expected and found shapes named); tensors the model does not use;
-        ``lm_head.weight`` present in a tied checkpoint but different from the embedding.
-      FileNotFoundError: no ``config.json``.
-      ValueError: ``scan_layers`` with mixed dense / MoE layers.
-    """
-    path = Path(path)
-    cfg = load_config(path, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers)
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    params = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    tensors = _tensor_map(cfg)
-    expected = {key: t.hf_shape(var.shape) for p, var in params
-                for t in [tensors[p]] for key in t.keys}
-    key_files = _key_files(path)
+def _check_tensors(path: Path, handles, key_files: dict[str, Path],
+                   expected: dict[str, tuple[int, ...]]) -> None:
+    """Raise unless the files hold exactly the ``expected`` keys with these shapes (read
+    from the files' headers only)."""
     missing = [key for key in expected if key not in key_files]
     if missing:
         raise CheckpointError(
             f"{path}: missing tensor {missing[0]!r} (expected shape {expected[missing[0]]} "
             f"from config.json); {len(missing)} missing in all"
         )
+    for key, shape in expected.items():
+        found = tuple(handles[key_files[key]].get_slice(key).get_shape())
+        if found != shape:
+            raise CheckpointError(f"{key_files[key]}: tensor {key!r} has shape {found}, "
+                                  f"expected {shape} from config.json")
+    extra = sorted(set(key_files) - set(expected))
+    if extra:
+        raise CheckpointError(
+            f"{path}: {len(extra)} tensor(s) that config.json does not account for, "
+            f"e.g. {extra[:3]}"
+        )
+
+
+def load_params(path, cfg: ModelConfig, shardings=None) -> dict[tuple, jax.Array]:
+    """The parameters of ``Transformer(cfg)`` from a local HF checkpoint directory, each
+    built by ``jax.make_array_from_callback`` in its ``sharding``: a process reads from the
+    files only the slices its own devices hold (each distinct slice once), never a whole
+    tensor unless one of its devices holds all of it (replicated ones, e.g. the norms on a
+    mesh without ``fsdp``). A slice of a stacked (``[L]`` layers, ``[E]`` experts) or
+    transposed, head-split kernel is read as the matching slices of the stacked files'
+    tensors (see ``_Tensor.read``). Tensors of any float dtype are converted to
+    ``cfg.param_dtype`` (bfloat16 rounds to nearest even).
+
+    Args:
+      path: the checkpoint directory: ``model.safetensors``, several ``*.safetensors``, or
+        shards listed by ``model.safetensors.index.json`` (``config.json`` is not read:
+        ``cfg`` describes the model, e.g. ``load_config(path)``).
+      cfg: the model's config.
+      shardings: parameter path (as in ``nnx.to_flat_state``) -> ``jax.sharding.Sharding``
+        (e.g. ``models.state_shardings`` over a mesh, which may span several processes);
+        None: every parameter whole on the default device ``jax.local_devices()[0]``.
+
+    Returns:
+      ``{path: jax.Array}`` of every parameter, its shape in our layout (e.g. ``q_proj``
+      ``[H, N, D]``, or ``[L, H, N, D]`` with ``cfg.scan_layers``), dtype
+      ``cfg.param_dtype``.
+
+    Raises:
+      CheckpointError: a tensor the config requires is missing (key and expected shape
+        named); a tensor's shape disagrees with the config (key, file, expected and found
+        shapes named); tensors the model does not use; ``lm_head.weight`` present in a
+        tied checkpoint but different from the embedding (each process compares the
+        slices it reads).
+      KeyError: ``shardings`` lacks a parameter (its path named).
+    """
+    path = Path(path)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    params = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    tensors = _tensor_map(cfg)
+    expected = {key: t.hf_shape(var.shape) for p, var in params
+                for t in [tensors[p]] for key in t.keys}
+    key_files = _key_files(path)
     tied_head = cfg.tie_word_embeddings and "lm_head.weight" in key_files
     if tied_head:
         expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    dtype = jnp.dtype(cfg.param_dtype)
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    out = {}
     with contextlib.ExitStack() as stack:
         handles = {file: stack.enter_context(safe_open(file, framework="np"))
                    for file in sorted(set(key_files.values()))}
-        for key, shape in expected.items():
-            found = tuple(handles[key_files[key]].get_slice(key).get_shape())
-            if found != shape:
-                raise CheckpointError(
-                    f"{path}: tensor {key!r} has shape {found}, expected {shape} from "
-                    "config.json"
-                )
-        extra = sorted(set(key_files) - set(expected))
-        if extra:
-            raise CheckpointError(
-                f"{path}: {len(extra)} tensor(s) that config.json does not account for, "
-                f"e.g. {extra[:3]}"
-            )
+        _check_tensors(path, handles, key_files, expected)
 
-        def read(key: str) -> np.ndarray:
-            return handles[key_files[key]].get_tensor(key)
+        def get(key: str, index: tuple[slice, ...]) -> np.ndarray:
+            return handles[key_files[key]].get_slice(key)[index]
 
-        flat = []
         for p, var in params:
-            t = tensors[p]
-            value = t.to_ours([read(key) for key in t.keys], var.shape)
-            flat.append((p, jnp.asarray(value.astype(cfg.param_dtype))))
-        if tied_head and not np.array_equal(read("lm_head.weight"),
-                                            read("model.embed_tokens.weight")):
-            raise CheckpointError(f"{path}: tie_word_embeddings is true but lm_head.weight "
-                                  "differs from model.embed_tokens.weight")
-    nnx.update(model, nnx.from_flat_state(flat))
+            t, shape, cache = tensors[p], tuple(var.shape), {}
+            check_tied = tied_head and p == ("embed_tokens", "embedding")
+
+            def block(index, t=t, shape=shape, cache=cache, check_tied=check_tied):
+                where = tuple((r.start, r.stop) for r in _ranges(index, shape))
+                if where not in cache:
+                    value = t.read(get, shape, index)
+                    if check_tied and not np.array_equal(
+                            value, _Tensor(("lm_head.weight",)).read(get, shape, index)):
+                        raise CheckpointError(f"{path}: tie_word_embeddings is true but "
+                                              "lm_head.weight differs from "
+                                              "model.embed_tokens.weight")
+                    cache[where] = value.astype(dtype)
+                return cache[where]
+
+            if shardings is not None and p not in shardings:
+                raise KeyError(f"no sharding for parameter {'/'.join(map(str, p))}")
+            sharding = default if shardings is None else shardings[p]
+            out[p] = jax.make_array_from_callback(shape, sharding, block)
+    return out
+
+
+def load_model(path, *, dtype="bfloat16", param_dtype="float32", scan_layers: bool = False,
+               mesh: Mesh | None = None, rules=None) -> Transformer:
+    """A ``Transformer`` with the weights of a local HF checkpoint directory
+    (``load_config`` + ``load_params``). Parameters are never randomly initialised (the
+    model is built abstractly, then filled).
+
+    Args:
+      path: the checkpoint directory (``config.json`` plus safetensors, see
+        ``load_params``).
+      dtype: compute dtype; param_dtype: parameter dtype (float32 or bfloat16 each).
+      scan_layers: build the stacked-layer model (``ModelConfig.scan_layers``); the
+        per-layer HF tensors are stacked on its leading ``[L]`` axis.
+      mesh: place every parameter on this mesh (``models.state_shardings``; it may span
+        several processes), each process reading only its devices' slices; None: whole
+        tensors on the default device.
+      rules: sharding rules (``models.sharding``), also set as the model config's
+        ``sharding_rules``; None: the config's default.
+
+    Returns:
+      ``Transformer`` whose parameters are ``param_dtype`` arrays in their mesh layout (or
+      on the default device).
+
+    Raises:
+      CheckpointError: unsupported architecture / setting, or a missing, extra or
+        mis-shaped tensor (see ``load_params``).
+      FileNotFoundError: no ``config.json``.
+      ValueError: ``scan_layers`` with mixed dense / MoE layers; a parameter dimension not
+        divisible by its mesh axes (named).
+    """
+    cfg = load_config(path, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers)
+    if rules is not None:
+        cfg = cfg.replace(sharding_rules=rules)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    shardings = None
+    if mesh is not None:
+        placed = state_shardings(nnx.state(model, nnx.Param), mesh, cfg.sharding_rules)
+        shardings = {p: v.get_value() for p, v in nnx.to_flat_state(placed)}
+    nnx.update(model, nnx.from_flat_state(list(load_params(path, cfg, shardings).items())))
     return model
 
 

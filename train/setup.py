@@ -33,7 +33,8 @@ class Setup:
       eval_problems: the held-out set (distinct questions, eval seed).
       exclude: their question texts (never trained on).
       mdef: the model definition (its config carries ``mesh.rules``).
-      hf_params: parameters of ``model.hf_checkpoint`` (None without one).
+      hf_params: parameters of ``model.hf_checkpoint`` in the placement's layout, each
+        process having read only its devices' slices of the files (None without one).
       placement: the mesh and the arrays' shardings (``train.placement``).
       writer: metrics (``metrics.jsonl`` and TensorBoard in the workdir; process 0 only).
     """
@@ -83,21 +84,24 @@ def build(cfg) -> Setup:
         require_checkpoint(cfg.init.sft_checkpoint)  # fail early, before any work
     check_resumable(workdir / SFT_DIR, cfg.sft.steps)
     check_resumable(workdir / GRPO_DIR, cfg.train.steps)
-    hf_params = None
     if cfg.model.hf_checkpoint:
         scan = bool(cfg.model.overrides.get("scan_layers", False))
-        mdef, hf_params = state.load_hf(cfg.model.hf_checkpoint, dtype=cfg.model.dtype,
-                                        param_dtype=cfg.model.param_dtype, scan_layers=scan)
-        mdef = state.ModelDef.of(mdef.cfg.replace(sharding_rules=cfg.mesh.rules))
+        model_cfg = state.load_hf_config(
+            cfg.model.hf_checkpoint, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+            scan_layers=scan).replace(sharding_rules=cfg.mesh.rules)
     else:
-        mdef = state.ModelDef.of(model_config(cfg))
-    if cfg.model.remat and not mdef.cfg.remat:
-        mdef = state.ModelDef.of(mdef.cfg.replace(remat=True))
+        model_cfg = model_config(cfg)
+    if cfg.model.remat and not model_cfg.remat:
+        model_cfg = model_cfg.replace(remat=True)
+    mdef = state.ModelDef.of(model_cfg)
     if tok.num_valid > mdef.cfg.vocab_size:
         raise ValueError(f"tokenizer has {tok.num_valid} tokens but the model's vocabulary "
                          f"is {mdef.cfg.vocab_size}")
     problems = tasks.eval_set(cfg.eval.size, cfg.data.eval_seed)
     placement = Placement.from_config(cfg, mdef)
+    hf_params = None
+    if cfg.model.hf_checkpoint:  # each process reads only its devices' slices
+        hf_params = state.load_hf(cfg.model.hf_checkpoint, mdef, placement.params)
     writer = MetricsWriter(workdir / "metrics.jsonl", enabled=jax.process_index() == 0,
                            tensorboard=cfg.metrics.tensorboard)
     return Setup(workdir, tok, tasks, problems, {p.question for p in problems}, mdef,
@@ -156,12 +160,12 @@ def banner(cfg, s: Setup, entry: str, config_file: str | None = None) -> str:
 
 def initial_params(cfg, s: Setup) -> state.Params:
     """Params to start from, in the placement's layout: ``init.sft_checkpoint`` (its
-    latest step, restored into the shardings), the HF checkpoint (placed), or a random
-    init with ``cfg.seed`` (created sharded)."""
+    latest step, restored into the shardings), the HF checkpoint (read in that layout by
+    ``build``), or a random init with ``cfg.seed`` (created sharded)."""
     if cfg.init.sft_checkpoint:
         ckpt = require_checkpoint(cfg.init.sft_checkpoint)
         items, _ = ckpt.restore({"params": s.placement.abstract_params()})
         return items["params"]
     if s.hf_params is not None:
-        return s.placement.place_params(s.hf_params)
+        return s.hf_params
     return s.placement.init_params(cfg.seed)

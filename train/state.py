@@ -68,18 +68,31 @@ def params_of(model: nnx.Module) -> Params:
     return {param_key(p): v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-def load_hf(path, *, dtype: str, param_dtype: str,
-            scan_layers: bool = False) -> tuple[ModelDef, Params]:
-    """``(ModelDef, params)`` of a local Hugging Face checkpoint directory (``scan_layers``:
+def load_hf_config(path, *, dtype: str, param_dtype: str,
+                   scan_layers: bool = False) -> models.ModelConfig:
+    """The ``ModelConfig`` of a local Hugging Face checkpoint directory (``scan_layers``:
     the stacked layer layout, keys ``layers.<name>``; see ``models.ModelConfig``).
 
     Raises:
       FileNotFoundError: ``path`` is not a directory (named), or has no ``config.json``.
-      models.CheckpointError: see ``models.load_model``.
+      models.CheckpointError: see ``models.hf.config_from_hf``.
     """
     if not Path(path).is_dir():
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
-    model = models.load_model(path, dtype=dtype, param_dtype=param_dtype,
+    return models.load_config(path, dtype=dtype, param_dtype=param_dtype,
                               scan_layers=scan_layers)
-    return ModelDef.of(model.cfg), params_of(model)
 
+
+def load_hf(path, mdef: ModelDef, shardings: dict[str, jax.sharding.Sharding] | None = None
+            ) -> Params:
+    """The parameters of ``mdef`` from the checkpoint directory ``path``
+    (``models.load_params``): each created in ``shardings[key]`` (e.g.
+    ``train.placement.Placement.params``), every process reading from the files only the
+    slices its own devices hold; None: whole, on the default device.
+
+    Raises:
+      models.CheckpointError: a missing, extra or mis-shaped tensor (see
+        ``models.load_params``).
+    """
+    by_path = None if shardings is None else {p: shardings[param_key(p)] for p in mdef.paths}
+    return {param_key(p): v for p, v in models.load_params(path, mdef.cfg, by_path).items()}

@@ -75,17 +75,18 @@ def free_port() -> int:
 
 
 def run_multiprocess(case: str, processes: int, devices_per_process: int,
-                     timeout: float = 600) -> list[dict]:
+                     timeout: float = 600, **env: str) -> list[dict]:
     """Run ``case`` in ``processes`` processes joined by ``jax.distributed`` on localhost
     (``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``, read by
-    ``train.distributed.initialize_distributed``); returns each process's dict, in order."""
+    ``train.distributed.initialize_distributed``; ``env``: more variables for all of them);
+    returns each process's dict, in order."""
     address = f"127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen(
             _command(case), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True,
             env=device_env(devices_per_process, JAX_COORDINATOR_ADDRESS=address,
-                           JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(i)),
+                           JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(i), **env),
         )
         for i in range(processes)
     ]

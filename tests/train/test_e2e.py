@@ -161,3 +161,27 @@ def test_bad_input_exits_with_a_clear_error(tmp_path, capsys, override, message)
     assert exc.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err
+
+
+def test_hf_checkpoint_is_read_into_the_placement(tmp_path):
+    """``model.hf_checkpoint``: ``setup.build`` reads the checkpoint into the placement's
+    shardings (``train.state.load_hf``) and ``initial_params`` starts from exactly it."""
+    import numpy as np
+
+    from models import save_model
+    from tests.support.models import random_model
+    from train import setup, state
+    from train.cli import load_config
+
+    cfg = load_config(MICRO)
+    model = random_model(setup.model_config(cfg), seed=2)
+    save_model(model, tmp_path / "hf")
+    cfg.model.hf_checkpoint = str(tmp_path / "hf")
+    cfg.workdir = str(tmp_path / "w")
+    cfg.metrics.tensorboard = False  # (its import pulls in torch)
+    s = setup.build(cfg)
+    params, expected = setup.initial_params(cfg, s), state.params_of(model)
+    assert params.keys() == expected.keys() == s.placement.params.keys()
+    for key, value in params.items():
+        assert value.sharding == s.placement.params[key], key
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(expected[key]), key)
