@@ -93,6 +93,9 @@ def base_config() -> ConfigDict:
 
     c.loss = ConfigDict({
         "advantage": "grpo",    # grpo (std-normalised) | dr_grpo (mean-centred)
+        # factor on negative advantages, in [0, 1] (rl_loss.group_advantages): 1 plain,
+        # 0 positive samples only (RAFT)
+        "negative_weight": 1.0,
         "eps_low": 0.2, "eps_high": 0.28,  # clip range (DAPO clip-higher)
         "beta": 0.0,            # KL weight; 0 skips the reference forward
         "kl_estimator": "k3",   # k1 | k2 | k3

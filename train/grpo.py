@@ -204,7 +204,8 @@ class GRPOIteration:
         rewards, correct = score(cfg, s, problems, ro)
         t1 = time.perf_counter()
         # 3. advantage within each group
-        adv = rl_loss.group_advantages(rewards, cfg.loss.advantage)
+        adv = rl_loss.group_advantages(rewards, cfg.loss.advantage,
+                                        negative_weight=cfg.loss.negative_weight)
         # 4. pack prompt + completion rows with old log-probs and advantages
         packed = pack_rollout(cfg, problems, ro, adv, self.row_multiple)
         b = place_batch(packed.arrays(*self.values), placement.mesh)

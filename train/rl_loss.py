@@ -49,8 +49,8 @@ def _check(name, value, allowed):
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
-def group_advantages(rewards: np.ndarray, kind: str = "grpo", eps: float = 1e-6
-                     ) -> np.ndarray:
+def group_advantages(rewards: np.ndarray, kind: str = "grpo", eps: float = 1e-6,
+                     negative_weight: float = 1.0) -> np.ndarray:
     """Group-relative advantages.
 
     Args:
@@ -58,20 +58,32 @@ def group_advantages(rewards: np.ndarray, kind: str = "grpo", eps: float = 1e-6
       kind: ``"grpo"``: ``(r - mean_g r) / (std_g r + eps)`` (DeepSeekMath);
         ``"dr_grpo"``: ``r - mean_g r`` (Dr. GRPO).
       eps: added to the (population) standard deviation.
+      negative_weight: factor on the negative advantages (completions below their group's
+        mean), in ``[0, 1]``. 1: the plain estimator. Below 1 the update leans on the
+        positive samples: a negative sample's gradient ``-(1 - p) dlogit`` stays large
+        however unlikely the token already is and pushes the mass it removes onto every
+        other token, while a positive one fades as ``p -> 1`` (Zhu et al., "The
+        Surprising Effectiveness of Negative Reinforcement in LLM Reasoning", 2025,
+        arXiv:2506.01347, weigh the two sides; 0 keeps the positive samples only, as in
+        RAFT / rejection-sampling fine-tuning, Dong et al. 2023, arXiv:2304.06767).
 
     Returns:
       float32 ``[P, G]``; zero for a group whose rewards are all equal.
 
     Raises:
-      ValueError: unknown ``kind`` or rewards not 2-D.
+      ValueError: unknown ``kind``, rewards not 2-D, or ``negative_weight`` outside
+        ``[0, 1]``.
     """
     _check("advantage kind", kind, ADVANTAGES)
+    if not 0.0 <= negative_weight <= 1.0:
+        raise ValueError(f"loss.negative_weight must be in [0, 1], got {negative_weight!r}")
     r = np.asarray(rewards, np.float64)
     if r.ndim != 2:
         raise ValueError(f"rewards must be [prompts, group], got shape {r.shape}")
     centred = r - r.mean(axis=1, keepdims=True)
     if kind == "grpo":
         centred = centred / (r.std(axis=1, keepdims=True) + eps)
+    centred = np.where(centred < 0, negative_weight * centred, centred)
     return centred.astype(np.float32)
 
 

@@ -22,6 +22,13 @@ def test_group_advantages():
     np.testing.assert_allclose(rl_loss.group_advantages(r, "dr_grpo"), r - mean, atol=1e-7)
     with pytest.raises(ValueError, match="grpo"):
         rl_loss.group_advantages(r, "ppo")
+    # negative_weight scales only the below-mean completions' advantages
+    w = rl_loss.group_advantages(r, "grpo", negative_weight=0.25)
+    np.testing.assert_allclose(w, np.where(a < 0, 0.25 * a, a), rtol=1e-6)
+    assert np.array_equal(rl_loss.group_advantages(r, "grpo", negative_weight=0.0),
+                          np.maximum(a, 0))
+    with pytest.raises(ValueError, match="negative_weight.*1.5"):
+        rl_loss.group_advantages(r, "grpo", negative_weight=1.5)
 
 
 def test_kl_estimators():
