@@ -1,5 +1,6 @@
-"""Held-out evaluation: mean reward at the sampling temperature and greedy accuracy, each
-with its standard error, and the paired before/after comparison."""
+"""Held-out evaluation: mean reward at the sampling temperature, greedy accuracy and the
+policy's probability of the reference answer, each with its standard error, and the
+paired before/after comparison."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from train import rollout
+from train import packing, rollout
 from train.data import Problem, Tasks
 from train.state import Params
 from train.tokenizer import Tokenizer
@@ -35,11 +36,16 @@ class EvalResult:
       greedy_correct: float ``[n]``: 1 where the greedy completion's task score is 1
         (exactly right).
       temperature: the sampling temperature.
+      answer_prob: float ``[n]``: the policy's probability (at ``temperature``) of the
+        reference answer's completion tokens (``answer_logprobs``): the expected reward
+        of a sampled completion counted on the reference spelling only, without sampling
+        noise; empty when not measured.
     """
 
     sampled: np.ndarray
     greedy_correct: np.ndarray
     temperature: float
+    answer_prob: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
     @staticmethod
     def _mean_se(x: np.ndarray) -> tuple[float, float]:
@@ -53,14 +59,18 @@ class EvalResult:
     def greedy_accuracy(self) -> tuple[float, float]:
         return self._mean_se(self.greedy_correct)
 
+    def answer_probability(self) -> tuple[float, float]:
+        return self._mean_se(self.answer_prob)
+
     def to_json(self) -> dict:
         return {"sampled": self.sampled.tolist(), "greedy_correct": self.greedy_correct.tolist(),
-                "temperature": self.temperature}
+                "temperature": self.temperature, "answer_prob": self.answer_prob.tolist()}
 
     @classmethod
     def from_json(cls, d: dict) -> EvalResult:
         return cls(np.asarray(d["sampled"], np.float64),
-                   np.asarray(d["greedy_correct"], np.float64), float(d["temperature"]))
+                   np.asarray(d["greedy_correct"], np.float64), float(d["temperature"]),
+                   np.asarray(d.get("answer_prob", []), np.float64))
 
 
 def _generate_all(generate: rollout.Generator, params, prompts, key, batch: int, bar,
@@ -104,6 +114,33 @@ def evaluate(generate: rollout.Generator, params: Params, problems: list[Problem
                       np.asarray(correct, np.float64), temperature)
 
 
+def answer_logprobs(logprobs, params: Params, problems: list[Problem], tasks: Tasks, *,
+                    row_len: int, row_multiple: int, batch: int, place, bucket) -> np.ndarray:
+    """``log P(reference answer | prompt)`` of each problem: the sum of the log-probs of
+    its completion ``tasks.target_ids(answer)`` (the answer's tokens and the end token,
+    as SFT trains them) under ``params``, teacher-forced, float64 ``[n]``.
+
+    Args:
+      logprobs: ``(params, batch, bucket) -> [R, L]`` log-probs of the kept tokens
+        (``train.steps.reference_logprobs``, at the sampling temperature).
+      row_len, row_multiple, batch: packed row length, the row count's multiple (fewer
+        distinct shapes to compile) and problems per call.
+      place: ``packing.PackedBatch -> device batch`` (``train.placement.place_batch``).
+      bucket: ``packing.PackedBatch -> int``: the head's bucket of a packed batch.
+    """
+    out = np.zeros(len(problems))
+    for start in range(0, len(problems), batch):
+        chunk = problems[start:start + batch]
+        packed = packing.pack([p.prompt for p in chunk],
+                              [tasks.target_ids(p.answer) for p in chunk], row_len,
+                              row_multiple=row_multiple)
+        logp = np.asarray(jax.device_get(logprobs(params, place(packed), bucket(packed))))
+        scored = packed.seq_index >= 0
+        out[start:start + len(chunk)] = np.bincount(
+            packed.seq_index[scored], weights=logp[scored], minlength=len(chunk))
+    return out
+
+
 def paired_change(before: np.ndarray, after: np.ndarray) -> tuple[float, float]:
     """Mean and standard error of ``after - before`` per problem (same problems)."""
     d = np.asarray(after, np.float64) - np.asarray(before, np.float64)
@@ -118,6 +155,9 @@ def report(before: EvalResult, after: EvalResult, title: str) -> str:
     pairs = [("sampled reward (T=%g)" % after.temperature, before.sampled.mean(axis=1),
               after.sampled.mean(axis=1)),
              ("greedy accuracy", before.greedy_correct, after.greedy_correct)]
+    if before.answer_prob.size and after.answer_prob.size:
+        pairs.append(("P(reference answer) (T=%g)" % after.temperature, before.answer_prob,
+                      after.answer_prob))
     for name, b, a in pairs:
         (mb, sb), (ma, sa) = EvalResult._mean_se(b), EvalResult._mean_se(a)
         d, sd = paired_change(b, a)

@@ -267,11 +267,21 @@ def held_out(cfg, s: setup.Setup, generate: rollout.Generator, params, name: str
         key=jax.random.fold_in(jax.random.key(cfg.seed), 10**6),
         format_weight=cfg.data.format_reward,
         progress=f"eval {name}" if s.writer.enabled else None)
+    placement = s.placement
+    res.answer_prob = np.exp(evaluate.answer_logprobs(
+        steps.reference_logprobs(s.mdef, placement, temperature=cfg.rollout.temperature),
+        params, s.eval_problems, s.tasks, row_len=cfg.train.row_len,
+        row_multiple=placement.row_multiple(cfg.train.row_multiple),
+        batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+        place=lambda packed: place_batch(packed.arrays(), placement.mesh),
+        bucket=lambda packed: placement.bucket(packed, cfg.train.bucket_multiple)))
     if s.writer.enabled:
         _atomic_json(path, res.to_json())
-    (r, r_se), (a, a_se) = res.sampled_reward(), res.greedy_accuracy()
+    (r, r_se), (a, a_se), (q, q_se) = (res.sampled_reward(), res.greedy_accuracy(),
+                                       res.answer_probability())
     s.writer.write(step, {"sampled_reward": r, "sampled_reward_se": r_se, "greedy_accuracy": a,
-                          "greedy_accuracy_se": a_se, "seconds": time.perf_counter() - t0},
+                          "greedy_accuracy_se": a_se, "answer_prob": q, "answer_prob_se": q_se,
+                          "seconds": time.perf_counter() - t0},
                    kind=f"eval_{name}")
     return res
 
