@@ -19,7 +19,16 @@ compiled by the real TPU compiler for the devices of that slice
 assignment, Mosaic kernels for the head. Without it the numbers are the CPU
 approximation, and the ``compiled for`` column says which.
 
-Prints one markdown table row per mesh, with the seconds spent lowering and compiling.
+Expert dispatch (``--dispatch``, default ``both``: one row each): ``dense``, the
+worst-case all-to-all blocks, or ``ragged``, ``jax.lax.ragged_all_to_all``
+(``models.ragged_dispatch``), with ``--capacity-factor`` sizing its receive buffers (none:
+the worst case). XLA:CPU has no ragged all-to-all: without ``--topology`` the ragged row
+is its dense emulation ("ragged (emulated)"), so only TPU-compiler rows compare the two.
+
+    python benchmarks/memory.py --topology v6e:8x8 --layers 2 --capacity-factor 2
+
+Prints one markdown table row per mesh and dispatch, with the seconds spent lowering and
+compiling.
 The preset's ``scan_layers`` is kept (on for Qwen3-30B-A3B); ``--no-scan`` unrolls the
 layers.
 """
@@ -46,11 +55,14 @@ def _shard_bytes(abstract, shardings) -> int:
 
 def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, keep: float,
             layers: int, vocab_axis: str | None = None, remat: bool = False,
-            topology: str | None = None, scan: bool = True) -> dict:
+            topology: str | None = None, scan: bool = True, dispatch: str = "dense",
+            capacity_factor: float | None = None) -> dict:
     """Compile the train step for ``mesh_sizes`` on abstract shapes; per-device GiB and
     the lower + compile seconds. ``topology``: a TPU slice name (``"v6e:8x8"``) to compile
     for with the TPU compiler (the mesh's devices are its first ones); None: the host's
-    (fake) CPU devices. ``scan=False`` turns the preset's ``scan_layers`` off."""
+    (fake) CPU devices. ``scan=False`` turns the preset's ``scan_layers`` off.
+    ``dispatch``, ``capacity_factor``: ``ModelConfig.expert_dispatch`` /
+    ``expert_capacity_factor``."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -63,7 +75,8 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     from models.mesh import BATCH_AXES, axis_size, batch_sharding, make_mesh, present
 
     cfg = get_config(preset, dtype="bfloat16", param_dtype="float32", remat=remat)
-    cfg = cfg.replace(scan_layers=cfg.scan_layers and scan)
+    cfg = cfg.replace(scan_layers=cfg.scan_layers and scan, expert_dispatch=dispatch,
+                      expert_capacity_factor=capacity_factor)
     if layers:
         cfg = cfg.replace(num_hidden_layers=layers)
     devices = jax.devices() if topology is None else _topology_devices(topology)
@@ -117,6 +130,9 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
         + (f", vocab over {vocab_axis}" if vocab_axis else ""),
         "devices": math.prod(mesh_sizes.values()), "tokens": per_shard,
         "target": "CPU (approximation)" if topology is None else f"TPU compiler ({topology})",
+        "dispatch": dispatch + (f", factor {capacity_factor:g}" if capacity_factor
+                                and dispatch == "ragged" else "")
+        + (" (emulated)" if dispatch == "ragged" and topology is None else ""),
         "params": param_bytes / GIB, "adam": adam_bytes / GIB,
         "temp": mem.temp_size_in_bytes / GIB, "peak": peak / GIB, "compile": seconds,
     }
@@ -158,6 +174,11 @@ def main(argv=None) -> None:
     parser.add_argument("--topology", default=None,
                         help="compile for this TPU slice with the TPU compiler (needs "
                         "libtpu), e.g. v6e:8x8")
+    parser.add_argument("--dispatch", choices=("dense", "ragged", "both"), default="both",
+                        help="expert all-to-all: worst-case dense blocks, ragged, or both")
+    parser.add_argument("--capacity-factor", type=float, default=None,
+                        help="ragged receive buffer: this times the balanced load "
+                        "(default: the worst case)")
     args = parser.parse_args(argv)
     meshes = [parse_mesh(m) for m in (args.mesh or ["fsdp=8,expert=8"])]
     devices = max(math.prod(m.values()) for m in meshes)
@@ -166,14 +187,18 @@ def main(argv=None) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     print("| preset | mesh | devices | tokens/device | params GiB | Adam m+v GiB | "
-          "temporaries GiB | peak GiB | compile s | compiled for |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "temporaries GiB | peak GiB | compile s | compiled for | dispatch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    dispatches = ("dense", "ragged") if args.dispatch == "both" else (args.dispatch,)
     for mesh in meshes:
-        row = measure(args.preset, mesh, batch=args.batch, seq=args.seq, keep=args.keep,
-                      layers=args.layers, vocab_axis=args.vocab_axis, remat=args.remat,
-                      topology=args.topology, scan=not args.no_scan)
-        print("| {preset} | {mesh} | {devices} | {tokens} | {params:.3g} | {adam:.3g} | "
-              "{temp:.3g} | {peak:.3g} | {compile:.0f} | {target} |".format(**row), flush=True)
+        for dispatch in dispatches:
+            row = measure(args.preset, mesh, batch=args.batch, seq=args.seq, keep=args.keep,
+                          layers=args.layers, vocab_axis=args.vocab_axis, remat=args.remat,
+                          topology=args.topology, scan=not args.no_scan, dispatch=dispatch,
+                          capacity_factor=args.capacity_factor)
+            print("| {preset} | {mesh} | {devices} | {tokens} | {params:.3g} | {adam:.3g} | "
+                  "{temp:.3g} | {peak:.3g} | {compile:.0f} | {target} | {dispatch} |"
+                  .format(**row), flush=True)
 
 
 if __name__ == "__main__":

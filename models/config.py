@@ -11,6 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from models.attention_ops import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from models.ragged_dispatch import DISPATCHES, check_capacity_factor
 from models.scan import REMAT_POLICIES
 from models.sharding import DEFAULT_RULES, normalize_rules
 
@@ -54,6 +55,14 @@ class ModelConfig:
     ``"xla_chunked"``, ``"splash"``, ``"pallas_gpu"``, ``"dense"`` (the quadratic
     reference); see ``models.attention_ops``.
 
+    Expert parallelism (under a mesh with ``expert > 1``): ``expert_dispatch`` is
+    ``"auto"`` (``jax.lax.ragged_all_to_all`` on TPU / GPU, the worst-case dense
+    all-to-all blocks elsewhere: XLA:CPU has no ragged all-to-all), ``"ragged"`` (its CPU
+    fallback is an emulation with dense memory, for tests) or ``"dense"``;
+    ``expert_capacity_factor`` (ragged only) is None (receive buffers sized for the worst
+    routing: dropless) or ``f > 0`` (``f`` times the balanced load; a token that does not
+    fit gets NaN outputs, never a silent drop). See ``models.ragged_dispatch``.
+
     Head: ``final_logit_softcapping`` (Gemma 2 style ``c * tanh(z / c)`` on the logits,
     forwarded to jaxhead) or None.
 
@@ -70,7 +79,8 @@ class ModelConfig:
 
     Raises:
       ValueError: inconsistent sizes (heads not divisible, odd head_dim, top-k larger than
-        the number of experts, non-positive sizes, an unknown dtype or remat policy,
+        the number of experts, non-positive sizes, an unknown dtype, remat policy or
+        expert dispatch, an expert capacity factor <= 0,
         ``scan_layers`` over mixed dense / MoE layers, ...).
     """
 
@@ -97,6 +107,8 @@ class ModelConfig:
     remat_policy: str = "nothing_saved"
     scan_layers: bool = False
     attention_impl: str = "auto"
+    expert_dispatch: str = "auto"
+    expert_capacity_factor: float | None = None
     sharding_rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = DEFAULT_RULES
     dtype: jnp.dtype | str = "bfloat16"
     param_dtype: jnp.dtype | str = "float32"
@@ -137,6 +149,10 @@ class ModelConfig:
         if self.attention_impl not in ("auto", *ATTENTION_IMPLEMENTATIONS):
             raise ValueError(f"attention_impl must be 'auto' or one of "
                              f"{ATTENTION_IMPLEMENTATIONS}, got {self.attention_impl!r}")
+        if self.expert_dispatch not in ("auto", *DISPATCHES):
+            raise ValueError(f"expert_dispatch must be 'auto' or one of {DISPATCHES}, got "
+                             f"{self.expert_dispatch!r}")
+        check_capacity_factor(self.expert_capacity_factor)
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy must be one of {tuple(REMAT_POLICIES)}, got "
                              f"{self.remat_policy!r}")

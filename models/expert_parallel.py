@@ -15,8 +15,12 @@ holds, or gathers, another device's experts):
 4. results are unsorted to the original pairs and combined with the router weights, in
    float32, exactly as the single-device ``models.experts.dropless_experts``.
 
-Dropless with static shapes: XLA:CPU has no ragged all-to-all, so the buffers have a
-fixed size sized for the worst case. A token's ``k`` experts are distinct, so one device
+Two dispatch paths (``dispatch``, ``ModelConfig.expert_dispatch``): on TPU and GPU
+``"auto"`` sends the rows with ``jax.lax.ragged_all_to_all`` (``models.ragged_dispatch``:
+no padded send block, the received rows arrive grouped, and the receive buffer may be
+sized by a capacity factor). XLA:CPU has no ragged all-to-all, so there ``"auto"`` takes
+the dense path described here, dropless with static shapes: the buffers have a fixed
+size sized for the worst case. A token's ``k`` experts are distinct, so one device
 receives at most ``min(k, E_l)`` of its pairs: ``C = T * min(k, E_l)`` rows per
 (source, destination) block, with ``T`` the tokens per device, never overflows whatever
 the routing. Memory per MoE layer per device: the send and receive buffers
@@ -52,6 +56,13 @@ from jax.sharding import PartitionSpec as P
 
 from models.experts import combine, expert_ffn
 from models.mesh import BATCH_AXES, axis_size, check_divisible, present
+from models.ragged_dispatch import (
+    check_capacity_factor,
+    mesh_platform,
+    ragged_round,
+    receive_rows,
+    resolve_dispatch,
+)
 from models.sharding import DEFAULT_RULES, logical_to_mesh
 
 
@@ -87,13 +98,14 @@ def _exchange(x, axis, num):
 
 
 def tokens_per_dispatch(tokens: int, devices: int, top_k: int, local_experts: int,
-                        max_rows: int) -> int:
+                        max_rows: int, capacity_factor: float | None = None) -> int:
     """Tokens per all-to-all round: the largest divisor ``t`` of ``tokens`` whose receive
-    buffer ``devices * capacity(t, top_k, local_experts)`` stays within ``max_rows`` rows
-    (at least 1 token)."""
-    per_token = devices * min(top_k, local_experts)
-    for t in range(min(tokens, max(1, max_rows // per_token)), 0, -1):
-        if tokens % t == 0:
+    buffer (``models.ragged_dispatch.receive_rows``: ``devices * capacity(t, top_k,
+    local_experts)`` without a capacity factor) stays within ``max_rows`` rows (at least
+    1 token)."""
+    for t in range(tokens, 0, -1):
+        if tokens % t == 0 and (t == 1 or receive_rows(
+                t, devices, top_k, local_experts, capacity_factor) <= max_rows):
             return t
     return 1
 
@@ -137,18 +149,22 @@ def _dispatch(x, experts, weights, gate, up, down, *, expert_axis, num, partial)
 
 
 def _shard_body(x, experts, weights, gate, up, down, *, expert_axis, num, gather_axes,
-                sum_axes, max_rows):
-    """Per-device expert-parallel MoE: the token rounds of ``_dispatch`` (``lax.map``)."""
+                sum_axes, max_rows, ragged, native, capacity_factor):
+    """Per-device expert-parallel MoE: the token rounds (``lax.map``) of ``_dispatch``, or
+    of ``models.ragged_dispatch.ragged_round`` when ``ragged``."""
     if gather_axes:  # this device's experts only, whole on their hidden dimension
         gate, up = (jax.lax.all_gather(w, gather_axes, axis=1, tiled=True) for w in (gate, up))
         down = jax.lax.all_gather(down, gather_axes, axis=2, tiled=True)
     tokens, top_k = experts.shape
-    step = tokens_per_dispatch(tokens, num, top_k, gate.shape[0], max_rows)
+    factor = capacity_factor if ragged else None
+    step = tokens_per_dispatch(tokens, num, top_k, gate.shape[0], max_rows, factor)
+    kw = {"expert_axis": expert_axis, "num": num, "partial": bool(sum_axes)}
+    if ragged:
+        kw.update(capacity_factor=capacity_factor, native=native)
 
     @jax.checkpoint  # the backward recomputes one round at a time, never all at once
     def one(args):
-        return _dispatch(*args, gate, up, down, expert_axis=expert_axis, num=num,
-                         partial=bool(sum_axes))
+        return (ragged_round if ragged else _dispatch)(*args, gate, up, down, **kw)
 
     if step == tokens:
         y = one((x, experts, weights))
@@ -163,7 +179,8 @@ def _shard_body(x, experts, weights, gate, up, down, *, expert_axis, num, gather
 
 def dropless_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array,
                      up: jax.Array, down: jax.Array, *, mesh, rules=DEFAULT_RULES,
-                     max_rows: int = MAX_DISPATCH_ROWS) -> jax.Array:
+                     max_rows: int = MAX_DISPATCH_ROWS, dispatch: str = "auto",
+                     capacity_factor: float | None = None) -> jax.Array:
     """``models.experts.dropless_experts`` with the experts spread over ``mesh``.
 
     Args:
@@ -176,6 +193,13 @@ def dropless_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate:
         experts over ``expert``).
       max_rows: receive-buffer rows per all-to-all round (``tokens_per_dispatch``): the
         device's tokens go in as few equal rounds as keep within it.
+      dispatch: ``"dense"`` (the worst-case blocks of this module), ``"ragged"``
+        (``models.ragged_dispatch``: ``jax.lax.ragged_all_to_all`` on TPU / GPU, its
+        emulation elsewhere), or ``"auto"`` (ragged where the mesh's platform has it,
+        else dense; ``models.ragged_dispatch.resolve_dispatch``).
+      capacity_factor: ragged only: None (receive buffers for the worst case) or ``f > 0``
+        (``f`` times the balanced load; a token with a pair past it gets NaN rows, see
+        ``models.ragged_dispatch``).
 
     Returns:
       ``[T, H]`` in the dtype of ``x``, split like ``x``. Under differentiation the
@@ -185,8 +209,11 @@ def dropless_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate:
 
     Raises:
       ValueError: ``T`` not divisible by the token shards, or E (or H, I) not divisible by
-        its mesh axes (both numbers named).
+        its mesh axes (both numbers named); an unknown ``dispatch`` or a
+        ``capacity_factor`` <= 0 (named).
     """
+    ragged = resolve_dispatch(dispatch, mesh) == "ragged"
+    check_capacity_factor(capacity_factor)
     token_axes = present(mesh, BATCH_AXES)
     check_divisible(x.shape[0], mesh, token_axes, "MoE input (batch x sequence)")
     gate_spec = _nontrivial(logical_to_mesh(
@@ -199,7 +226,8 @@ def dropless_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate:
         return _shard_body(
             *args, expert_axis=expert_axes, num=axis_size(mesh, expert_axes),
             gather_axes=_axes(gate_spec[1]), sum_axes=_axes(gate_spec[2]),
-            max_rows=max_rows,
+            max_rows=max_rows, ragged=ragged,
+            native=mesh_platform(mesh) in ("tpu", "gpu"), capacity_factor=capacity_factor,
         )
 
     tok = P(token_axes or None)

@@ -6,7 +6,10 @@ Every token reaches all of its top-k experts, whatever the routing imbalance: th
 in training but not in sampling would silently corrupt RL log-probs.
 
 Under a device mesh (``jax.set_mesh``, e.g. via ``models.sharding.jit_sharded``) the
-experts run expert-parallel: ``models.expert_parallel``.
+experts run expert-parallel: ``models.expert_parallel`` (``ModelConfig.expert_dispatch``:
+ragged all-to-all on TPU / GPU, ``models.ragged_dispatch``; worst-case blocks on CPU). With
+``ModelConfig.expert_capacity_factor`` set, a token that overflows the ragged receive
+buffer gets NaN outputs instead of being dropped.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class MoE(nnx.Module):
         self.dtype, self.top_k, self.norm_topk_prob = cfg.dtype, cfg.num_experts_per_tok, \
             cfg.norm_topk_prob
         self.rules = cfg.sharding_rules  # where the experts live under a mesh
+        self.dispatch, self.capacity_factor = cfg.expert_dispatch, cfg.expert_capacity_factor
         self.router = param(rngs, (h, e), ("embed", "expert"), pd)
         self.gate_proj = param(rngs, (e, h, i), ("expert", "embed", "mlp"), pd, in_axes=(1,))
         self.up_proj = param(rngs, (e, h, i), ("expert", "embed", "mlp"), pd, in_axes=(1,))
@@ -100,8 +104,9 @@ class MoE(nnx.Module):
         if mesh.empty:
             y = dropless_experts(flat, experts, weights, *params)
         else:
-            y = expert_parallel.dropless_experts(flat, experts, weights, *params, mesh=mesh,
-                                                 rules=self.rules)
+            y = expert_parallel.dropless_experts(
+                flat, experts, weights, *params, mesh=mesh, rules=self.rules,
+                dispatch=self.dispatch, capacity_factor=self.capacity_factor)
         m = token_mask.reshape(-1).astype(jnp.float32)
         onehot = jax.nn.one_hot(experts, probs.shape[-1], dtype=jnp.float32).sum(axis=1)
         stats = RouterStats(m @ onehot, m @ probs, jnp.sum(m))

@@ -1,0 +1,46 @@
+"""Ragged expert dispatch (``models.ragged_dispatch``): on 8 CPU devices (emulated
+``ragged_all_to_all``, in a subprocess) equal to the dense dispatch and to one device,
+forward and gradients, float32, random and skewed routing; a capacity overflow gives NaN
+rows; the ``"auto"`` choice and the config checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from models import get_config
+from models.ragged_dispatch import receive_rows, resolve_dispatch
+from tests.support.multidevice import abstract_mesh, run_case
+
+TOL = 1e-4
+
+
+def test_ragged_equals_dense_and_one_device():
+    r = run_case("tests.models.ragged_cases:equality_case")
+    for routing in ("random", "skewed"):
+        for key, d in r[routing].items():
+            assert d["value"] <= TOL and d["grads"] <= TOL, (routing, key, d)
+    assert r["factor2_random"]["value"] <= TOL, r["factor2_random"]
+    assert r["factor2_random"]["grads"] <= TOL, r["factor2_random"]
+    # all 128 tokens pick experts 5 and 4 (one device): 2x the balanced load holds the
+    # pairs of expert 4 only, so every token lost one pair and is NaN, none silently wrong
+    assert r["factor2_skewed_nan_rows"] == 128 and r["factor2_skewed_finite_rows"] == 0, r
+    assert r["emulation_docstring_example"] == [[1, 3, 0, 0], [2, 2, 4, 0]]
+
+
+def test_auto_is_dense_on_cpu_and_names_bad_values():
+    assert resolve_dispatch("auto", abstract_mesh(expert=4)) == "dense"  # no ragged on CPU
+    assert resolve_dispatch("ragged", abstract_mesh(expert=4)) == "ragged"
+    with pytest.raises(ValueError, match="'sparse'"):
+        resolve_dispatch("sparse", abstract_mesh(expert=4))
+    with pytest.raises(ValueError, match="'sparse'"):
+        get_config("tiny-moe", expert_dispatch="sparse")
+    with pytest.raises(ValueError, match="-1.0"):
+        get_config("tiny-moe", expert_capacity_factor=-1.0)
+    assert get_config("tiny-moe", expert_capacity_factor=1.5).expert_capacity_factor == 1.5
+
+
+def test_receive_rows():
+    assert receive_rows(16, 4, 2, 2, None) == 4 * 16 * 2  # worst case
+    assert receive_rows(16, 4, 8, 2, None) == 4 * 16 * 2  # at most E_l pairs per token
+    assert receive_rows(16, 4, 2, 2, 1.5) == 48  # 1.5 x the balanced 16 * 2
+    assert receive_rows(16, 4, 2, 2, 100.0) == 4 * 16 * 2  # never above the worst case
