@@ -105,13 +105,14 @@ def _along_batch(tree):
 
 def _decoder(mdef: ModelDef, max_new_tokens: int, truncated: bool,
              stop_ids: tuple[int, ...], num_valid: int, placement: Placement | None = None):
-    """The jitted decoder ``(params, prompts, lens, key, temperature, truncation) ->
-    (tokens, logprobs, min_logit, logmass, lengths, stopped)``; ``temperature`` and the
-    truncation settings are traced (one compile serves every value), ``truncated`` picks
-    the sampler path (False: chunked Gumbel-max, no ``[B, V]`` logits). With a
-    multi-device ``placement``: compiled under its mesh with the parameters in their
-    training shardings and the rows, KV cache and outputs split over the batch axes (the
-    row count must then be a multiple of ``placement.batch_shards``)."""
+    """The jitted decoder ``(params, prompts, lens, num_rows, key, temperature, truncation)
+    -> (tokens, logprobs, min_logit, logmass, lengths, stopped)``; rows from ``num_rows``
+    on are padding (done from the start: they never keep the loop going). ``num_rows``,
+    ``temperature`` and the truncation settings are traced (one compile serves every
+    value), ``truncated`` picks the sampler path (False: chunked Gumbel-max, no ``[B, V]``
+    logits). With a multi-device ``placement``: compiled under its mesh with the
+    parameters in their training shardings and the rows, KV cache and outputs split over
+    the batch axes (the row count must then be a multiple of ``placement.batch_shards``)."""
 
     def pick(model, hidden, key, temperature, trunc):
         dtype = model.lm_head.dtype or hidden.dtype
@@ -120,7 +121,7 @@ def _decoder(mdef: ModelDef, max_new_tokens: int, truncated: bool,
                               temperature=temperature, softcap=model.lm_head.softcap,
                               num_valid=num_valid, **kw)
 
-    def generate(params, prompts, lens, key, temperature, trunc):
+    def generate(params, prompts, lens, num_rows, key, temperature, trunc):
         model = mdef.merge(params)
         batch, width = prompts.shape
         cache = _along_batch(model.init_cache(batch, width + max_new_tokens))
@@ -133,7 +134,7 @@ def _decoder(mdef: ModelDef, max_new_tokens: int, truncated: bool,
         fill = (0, 0.0, -jnp.inf, 0.0)  # each field's value after the stop token
         record = tuple(jnp.full((batch, max_new_tokens), f, x.dtype).at[:, 0].set(x)
                        for f, x in zip(fill, first))
-        done = jnp.isin(first.tokens, stops)
+        done = jnp.isin(first.tokens, stops) | (jnp.arange(batch) >= num_rows)
         carry = (jnp.int32(1), first.tokens, _along_batch(out.cache), _along_batch(record),
                  done, jnp.ones((batch,), jnp.int32))
 
@@ -157,7 +158,7 @@ def _decoder(mdef: ModelDef, max_new_tokens: int, truncated: bool,
     if placement is None or not placement.sharded:
         return jax.jit(generate)
     rows, rep = placement.batch, placement.replicated
-    return placement.jit(generate, in_shardings=(placement.params, rows, rows, rep, rep,
+    return placement.jit(generate, in_shardings=(placement.params, rows, rows, rep, rep, rep,
                                                  (rep,) * len(Truncation._fields)),
                          out_shardings=(rows,) * 6)
 
@@ -175,8 +176,9 @@ class Generator:
       truncation: top-k / top-p / min-p settings (None: none); used whenever
         ``temperature > 0`` (greedy is untruncated).
       placement: the run's placement: on a multi-device mesh the rollouts are sharded
-        (see the module docstring) and ``params`` must be in (or are moved to) its
-        parameter shardings; None or one device: plain ``jax.jit``.
+        (see the module docstring) and ``params`` should be in its parameter shardings
+        (``Placement.place_params``; on one process others are moved there); None or one
+        device: plain ``jax.jit``.
     """
 
     def __init__(self, mdef: ModelDef, *, max_new_tokens: int, stop_ids: tuple[int, ...],
@@ -217,8 +219,9 @@ class Generator:
             padded, lens = b["prompts"], b["lens"]
         truncated = trunc.active and temperature > 0
         args = (jnp.int32(trunc.top_k), jnp.float32(trunc.top_p), jnp.float32(trunc.min_p))
-        return (self._decoder(truncated), (padded, lens, key, jnp.float32(temperature), args),
-                rows, truncated)
+        return (self._decoder(truncated),
+                (padded, lens, jnp.int32(rows), key, jnp.float32(temperature), args), rows,
+                truncated)
 
     def lower(self, params: Params, prompts, key: jax.Array, *, temperature: float,
               truncation: Truncation | None = None):
