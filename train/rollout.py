@@ -7,7 +7,7 @@ A ``Generator`` is built once per run (by ``train.grpo``) and owns its compiled 
 
 Under a multi-device ``train.placement.Placement`` a call is one SPMD program over the
 run's mesh: the B rows (padded with copies of row 0 to a multiple of the batch shards,
-the padding dropped after) are split over ``models.mesh.BATCH_AXES``, the parameters keep
+done from the start and dropped after) are split over ``models.mesh.BATCH_AXES``, the parameters keep
 their training shardings (the decoder's ``in_shardings``; the MoE runs expert-parallel,
 no device gathers another's experts), the KV cache and the sampled arrays are split along
 the batch, and every process reads back every row (``to_host``: a ``process_allgather``
