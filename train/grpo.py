@@ -7,7 +7,8 @@ One run, in ``cfg.workdir``:
    init;
 2. held-out evaluation of the warm start (saved, so a resumed run does not redo it);
 3. ``train.steps`` GRPO steps (``GRPOIteration``): G completions for each of P prompts
-   sampled with the KV cache (jaxhead's chunked Gumbel-max, sampler log-probs recorded),
+   sampled with the KV cache (jaxhead's chunked Gumbel-max, sampler log-probs recorded;
+   on a mesh each data-parallel group decodes its own rows, ``train.rollout``),
    rewards from the task's ``score_answer``, group advantages, packed rows, the frozen
    reference's log-probs when ``loss.beta > 0``, one clipped-surrogate update; metrics
    every step, checkpoints every ``checkpoint.every`` steps and at the end
@@ -77,10 +78,11 @@ def scored_on_sampler_support(cfg) -> bool:
 
 
 def generator(cfg, s: setup.Setup, trunc: rollout.Truncation) -> rollout.Generator:
-    """The run's KV-cache sampler (``train.rollout.Generator``) with ``trunc``."""
+    """The run's KV-cache sampler (``train.rollout.Generator``) with ``trunc``, sharded
+    over the run's mesh (``s.placement``) like the training step."""
     return rollout.Generator(s.mdef, max_new_tokens=cfg.rollout.max_new_tokens,
                              stop_ids=s.tasks.stop_ids, num_valid=s.tokenizer.num_valid,
-                             truncation=trunc)
+                             truncation=trunc, placement=s.placement)
 
 
 def score(cfg, s: setup.Setup, problems, ro: rollout.Rollout) -> tuple[np.ndarray, np.ndarray]:

@@ -7,17 +7,20 @@ config carries too (``ModelConfig.sharding_rules``: the expert-parallel MoE foll
 so the model and its placement cannot disagree.
 
 Data flow on several processes (``train.distributed``): every process runs the same
-program on the same data. Rollouts are one global SPMD program (the parameters stay in
-their training layout; the prompts, the RNG key and thus the sampled completions are the
-same on every process, and every process reads back all of them, ``to_host``), so every
-process holds the same packed global batch; ``place_batch`` hands each device its rows of
-it, the head's bucket is the fullest token shard's (``Placement.bucket``, the same on
-every process since every process holds the same batch) and the jitted steps run with
-in/out shardings under ``jax.set_mesh`` (``Placement.jit``: the MoE is expert-parallel,
-the head runs per token shard, see ``models.Transformer.token_logprobs``). Rollouts are
-replicated work (simple and exactly the single-process numbers); the training step is
-data / expert / fsdp / tensor parallel. On one device nothing changes: plain ``jax.jit``,
-no mesh in the steps, the plain head.
+program on the same data. Rollouts are one global SPMD program under the mesh
+(``train.rollout``): the prompts and the RNG key are the same on every process, each
+device decodes its rows (split over the batch axes, parameters in their training layout,
+the MoE expert-parallel, the KV cache split along the batch), and every process reads
+back all rows (``to_host``: a ``process_allgather`` of the small ``[B, T]`` results), so
+every process holds the same packed global batch; ``place_batch`` hands each device its
+rows of it, the head's bucket is the fullest token shard's (``Placement.bucket``, the
+same on every process since every process holds the same batch) and the jitted steps run
+with in/out shardings under ``jax.set_mesh`` (``Placement.jit``: the MoE is
+expert-parallel, the head runs per token shard, see ``models.Transformer.token_logprobs``).
+Rollouts are data / expert / fsdp parallel and give the numbers of one process (a row's
+sampling noise depends on the key and its global index only); the training step is data
+/ expert / fsdp / tensor parallel. On one device nothing changes: plain ``jax.jit``, no
+mesh in the steps, the plain head.
 
 Only process 0 writes metrics (``MetricsWriter(enabled=...)``, tqdm, eval JSON); every
 process takes part in orbax saves and restores (``train.checkpoint``), which restore into

@@ -4,6 +4,18 @@ log-prob and the support it was drawn from.
 
 A ``Generator`` is built once per run (by ``train.grpo``) and owns its compiled decoders;
 ``temperature`` is traced, so greedy and sampled calls share one.
+
+Under a multi-device ``train.placement.Placement`` a call is one SPMD program over the
+run's mesh: the B rows (padded with copies of row 0 to a multiple of the batch shards,
+done from the start and dropped after) are split over ``models.mesh.BATCH_AXES``, the parameters keep
+their training shardings (the decoder's ``in_shardings``; the MoE runs expert-parallel,
+no device gathers another's experts), the KV cache and the sampled arrays are split along
+the batch, and every process reads back every row (``to_host``: a ``process_allgather``
+of the small ``[B, T]`` results), so every process packs the same global batch. A row's
+sampling noise depends only on the key, the decode step and the row's global index
+(``jaxhead.sample`` draws its row seeds with ``jax.random.bits``, whose partitionable
+Threefry counters are the element indices), so completions do not depend on the device
+or process count, nor on the padding.
 """
 
 from __future__ import annotations
@@ -13,9 +25,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 import jaxhead
-from train.placement import to_host
+from models.mesh import BATCH_AXES, active_mesh, present
+from train.placement import Placement, place_batch, to_host
 from train.state import ModelDef, Params
 
 #: The ``sampling_path`` metric: which sampler drew a rollout's tokens.
@@ -78,12 +92,27 @@ def pad_prompts(prompts: list[list[int]] | list[tuple[int, ...]], multiple: int 
     return out, lens
 
 
+def _along_batch(tree):
+    """``tree`` with every array of rank >= 1 constrained to be split along its leading
+    (batch) axis over the active mesh's batch axes; unchanged without a mesh."""
+    mesh = active_mesh()
+    if mesh is None:
+        return tree
+    spec = P(present(mesh, BATCH_AXES))
+    return jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(x, spec) if x.ndim else x, tree)
+
+
 def _decoder(mdef: ModelDef, max_new_tokens: int, truncated: bool,
-             stop_ids: tuple[int, ...], num_valid: int):
-    """The jitted decoder ``(params, prompts, lens, key, temperature, truncation) ->
-    (tokens, logprobs, min_logit, logmass, lengths, stopped)``; ``temperature`` and the
-    truncation settings are traced (one compile serves every value), ``truncated`` picks
-    the sampler path (False: chunked Gumbel-max, no ``[B, V]`` logits)."""
+             stop_ids: tuple[int, ...], num_valid: int, placement: Placement | None = None):
+    """The jitted decoder ``(params, prompts, lens, num_rows, key, temperature, truncation)
+    -> (tokens, logprobs, min_logit, logmass, lengths, stopped)``; rows from ``num_rows``
+    on are padding (done from the start: they never keep the loop going). ``num_rows``,
+    ``temperature`` and the truncation settings are traced (one compile serves every
+    value), ``truncated`` picks the sampler path (False: chunked Gumbel-max, no ``[B, V]``
+    logits). With a multi-device ``placement``: compiled under its mesh with the
+    parameters in their training shardings and the rows, KV cache and outputs split over
+    the batch axes (the row count must then be a multiple of ``placement.batch_shards``)."""
 
     def pick(model, hidden, key, temperature, trunc):
         dtype = model.lm_head.dtype or hidden.dtype
@@ -92,11 +121,10 @@ def _decoder(mdef: ModelDef, max_new_tokens: int, truncated: bool,
                               temperature=temperature, softcap=model.lm_head.softcap,
                               num_valid=num_valid, **kw)
 
-    @jax.jit
-    def generate(params, prompts, lens, key, temperature, trunc):
+    def generate(params, prompts, lens, num_rows, key, temperature, trunc):
         model = mdef.merge(params)
         batch, width = prompts.shape
-        cache = model.init_cache(batch, width + max_new_tokens)
+        cache = _along_batch(model.init_cache(batch, width + max_new_tokens))
         pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), prompts.shape)
         seg = (pos < lens[:, None]).astype(jnp.int32)
         out = model(prompts, pos, seg, cache)
@@ -106,9 +134,9 @@ def _decoder(mdef: ModelDef, max_new_tokens: int, truncated: bool,
         fill = (0, 0.0, -jnp.inf, 0.0)  # each field's value after the stop token
         record = tuple(jnp.full((batch, max_new_tokens), f, x.dtype).at[:, 0].set(x)
                        for f, x in zip(fill, first))
-        done = jnp.isin(first.tokens, stops)
-        carry = (jnp.int32(1), first.tokens, out.cache, record, done,
-                 jnp.ones((batch,), jnp.int32))
+        done = jnp.isin(first.tokens, stops) | (jnp.arange(batch) >= num_rows)
+        carry = (jnp.int32(1), first.tokens, _along_batch(out.cache), _along_batch(record),
+                 done, jnp.ones((batch,), jnp.int32))
 
         def cond(c):
             return (c[0] < max_new_tokens) & ~jnp.all(c[4])
@@ -121,12 +149,18 @@ def _decoder(mdef: ModelDef, max_new_tokens: int, truncated: bool,
             new = tuple(jnp.where(done, f, x) for f, x in zip(fill, new))
             record = tuple(r.at[:, step].set(x) for r, x in zip(record, new))
             length = length + (~done).astype(jnp.int32)
-            return (step + 1, new[0], o.cache, record, done | jnp.isin(new[0], stops), length)
+            return (step + 1, new[0], _along_batch(o.cache), record,
+                    done | jnp.isin(new[0], stops), length)
 
         _, _, _, record, done, length = jax.lax.while_loop(cond, body, carry)
         return (*record, length, done)
 
-    return generate
+    if placement is None or not placement.sharded:
+        return jax.jit(generate)
+    rows, rep = placement.batch, placement.replicated
+    return placement.jit(generate, in_shardings=(placement.params, rows, rows, rep, rep, rep,
+                                                 (rep,) * len(Truncation._fields)),
+                         out_shardings=(rows,) * 6)
 
 
 class Generator:
@@ -141,20 +175,60 @@ class Generator:
       num_valid: only ids below it are sampled.
       truncation: top-k / top-p / min-p settings (None: none); used whenever
         ``temperature > 0`` (greedy is untruncated).
+      placement: the run's placement: on a multi-device mesh the rollouts are sharded
+        (see the module docstring) and ``params`` should be in its parameter shardings
+        (``Placement.place_params``; on one process others are moved there); None or one
+        device: plain ``jax.jit``.
     """
 
     def __init__(self, mdef: ModelDef, *, max_new_tokens: int, stop_ids: tuple[int, ...],
-                 num_valid: int, truncation: Truncation | None = None):
+                 num_valid: int, truncation: Truncation | None = None,
+                 placement: Placement | None = None):
         self.mdef, self.max_new_tokens = mdef, max_new_tokens
         self.truncation = Truncation() if truncation is None else Truncation(*truncation)
         self.stop_ids, self.num_valid = tuple(stop_ids), int(num_valid)
+        self.placement = placement if placement is not None and placement.sharded else None
         self._decoders: dict[bool, object] = {}
 
     def _decoder(self, truncated: bool):
         if truncated not in self._decoders:
             self._decoders[truncated] = _decoder(self.mdef, self.max_new_tokens, truncated,
-                                                 self.stop_ids, self.num_valid)
+                                                 self.stop_ids, self.num_valid, self.placement)
         return self._decoders[truncated]
+
+    def _inputs(self, prompts, key, temperature: float, truncation: Truncation | None):
+        """``(decoder, its arguments but params, rows, truncated)`` of one call (rows:
+        the real row count; the arguments' rows are padded to the batch shards)."""
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        trunc = self.truncation if truncation is None else Truncation(*truncation)
+        if not 0 <= trunc.top_k or not 0 < trunc.top_p <= 1 or not 0 <= trunc.min_p < 1:
+            raise ValueError(f"truncation out of range: {trunc} (top_k >= 0, "
+                             "0 < top_p <= 1, 0 <= min_p < 1)")
+        prompts = list(prompts)
+        if not prompts or not all(len(p) for p in prompts):
+            raise ValueError(f"need at least one prompt, each of >= 1 token; got prompt "
+                             f"lengths {[len(p) for p in prompts]}")
+        padded, lens = pad_prompts(prompts)
+        rows = len(prompts)
+        if self.placement is not None:
+            extra = -rows % self.placement.batch_shards  # copies of row 0, dropped after
+            padded = np.concatenate([padded, np.repeat(padded[:1], extra, axis=0)])
+            lens = np.concatenate([lens, np.repeat(lens[:1], extra)])
+            b = place_batch({"prompts": padded, "lens": lens}, self.placement.mesh)
+            padded, lens = b["prompts"], b["lens"]
+        truncated = trunc.active and temperature > 0
+        args = (jnp.int32(trunc.top_k), jnp.float32(trunc.top_p), jnp.float32(trunc.min_p))
+        return (self._decoder(truncated),
+                (padded, lens, jnp.int32(rows), key, jnp.float32(temperature), args), rows,
+                truncated)
+
+    def lower(self, params: Params, prompts, key: jax.Array, *, temperature: float,
+              truncation: Truncation | None = None):
+        """The decoder of ``__call__``'s arguments, lowered (``jax.stages.Lowered``: its
+        HLO, ``.compile()`` and memory analysis); same arguments and errors."""
+        fn, args, _, _ = self._inputs(prompts, key, temperature, truncation)
+        return fn.lower(params, *args)
 
     def __call__(self, params: Params, prompts, key: jax.Array, *, temperature: float,
                  truncation: Truncation | None = None) -> Rollout:
@@ -163,27 +237,20 @@ class Generator:
         Args:
           params: the policy's parameters.
           prompts: token id sequences (``B`` of them, any lengths >= 1).
-          key: PRNG key (step ``t`` draws with ``fold_in(key, t)``).
+          key: PRNG key (step ``t`` draws with ``fold_in(key, t)``; the same on every
+            process).
           temperature: ``> 0`` samples, 0 is greedy.
           truncation: overrides the generator's for this call (same compiled decoder
             whenever both are active).
 
         Returns:
-          ``Rollout`` (host arrays; on several processes every process reads every row).
+          ``Rollout`` (host arrays ``[B, ...]``; on several processes every process reads
+          every row).
 
         Raises:
-          ValueError: ``temperature < 0`` or a truncation setting out of range (named).
+          ValueError: ``temperature < 0``, a truncation setting out of range, no prompts
+            or an empty one (the values named).
         """
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        trunc = self.truncation if truncation is None else Truncation(*truncation)
-        if not 0 <= trunc.top_k or not 0 < trunc.top_p <= 1 or not 0 <= trunc.min_p < 1:
-            raise ValueError(f"truncation out of range: {trunc} (top_k >= 0, "
-                             "0 < top_p <= 1, 0 <= min_p < 1)")
-        padded, lens = pad_prompts(list(prompts))
-        truncated = trunc.active and temperature > 0
-        fn = self._decoder(truncated)
-        args = (jnp.int32(trunc.top_k), jnp.float32(trunc.top_p), jnp.float32(trunc.min_p))
-        out = to_host(  # every process reads every row
-            fn(params, padded, lens, key, jnp.float32(temperature), args))
-        return Rollout(*out, PATH_TRUNCATED if truncated else PATH_GUMBEL)
+        fn, args, rows, truncated = self._inputs(prompts, key, temperature, truncation)
+        out = to_host(fn(params, *args))  # every process reads every row
+        return Rollout(*(x[:rows] for x in out), PATH_TRUNCATED if truncated else PATH_GUMBEL)
