@@ -152,11 +152,11 @@ def report(before: EvalResult, after: EvalResult, title: str) -> str:
     change in units of the larger of the two unpaired SEs' combination
     ``sqrt(se_before^2 + se_after^2)`` (a conservative test)."""
     rows = []
-    pairs = [("sampled reward (T=%g)" % after.temperature, before.sampled.mean(axis=1),
+    pairs = [(f"sampled reward (T={after.temperature:g})", before.sampled.mean(axis=1),
               after.sampled.mean(axis=1)),
              ("greedy accuracy", before.greedy_correct, after.greedy_correct)]
     if before.answer_prob.size and after.answer_prob.size:
-        pairs.append(("P(reference answer) (T=%g)" % after.temperature, before.answer_prob,
+        pairs.append((f"P(reference answer) (T={after.temperature:g})", before.answer_prob,
                       after.answer_prob))
     for name, b, a in pairs:
         (mb, sb), (ma, sa) = EvalResult._mean_se(b), EvalResult._mean_se(a)
