@@ -253,11 +253,13 @@ def _atomic_json(path, obj) -> None:
     os.replace(tmp, path)
 
 
-def held_out(cfg, s: setup.Setup, generate: rollout.Generator, params, name: str, step: int
-             ) -> evaluate.EvalResult:
+def held_out(cfg, s: setup.Setup, generate: rollout.Generator, logprobs, params, name: str,
+             step: int) -> evaluate.EvalResult:
     """Evaluate ``params`` on the held-out set, or load the saved result ``name``. The
     same key is used before and after GRPO (common random numbers: the paired difference
-    has less noise)."""
+    has less noise). ``logprobs``: the run's jitted teacher-forced log-probs
+    (``train.steps.reference_logprobs`` at the sampling temperature), built once so that
+    both evaluations share its compiles."""
     path = s.workdir / f"eval_{name}.json"
     if path.exists():
         return evaluate.EvalResult.from_json(json.loads(path.read_text()))
@@ -271,8 +273,7 @@ def held_out(cfg, s: setup.Setup, generate: rollout.Generator, params, name: str
         progress=f"eval {name}" if s.writer.enabled else None)
     placement = s.placement
     res.answer_prob = np.exp(evaluate.answer_logprobs(
-        steps.reference_logprobs(s.mdef, placement, temperature=cfg.rollout.temperature),
-        params, s.eval_problems, s.tasks, row_len=cfg.train.row_len,
+        logprobs, params, s.eval_problems, s.tasks, row_len=cfg.train.row_len,
         row_multiple=placement.row_multiple(cfg.train.row_multiple),
         batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
         place=lambda packed: place_batch(packed.arrays(), placement.mesh),
@@ -311,12 +312,14 @@ def train(cfg, config_file: str | None = None) -> None:
     # as the rollouts unless those are truncated
     evals = rollouts if not truncation(cfg).active else generator(cfg, s, rollout.Truncation())
     before = None
+    answer_logprobs = steps.reference_logprobs(s.mdef, s.placement,
+                                               temperature=cfg.rollout.temperature)
     if cfg.eval.before_after:
-        before = held_out(cfg, s, evals, start, "before", 0)
+        before = held_out(cfg, s, evals, answer_logprobs, start, "before", 0)
         print(_summary(before, n, "before GRPO"), flush=True)
     params = train_grpo(cfg, s, start, rollouts)
     if before is not None:
-        after = held_out(cfg, s, evals, params, "after", cfg.train.steps)
+        after = held_out(cfg, s, evals, answer_logprobs, params, "after", cfg.train.steps)
         print(_summary(after, n, "after GRPO"), flush=True)
         title = (f"tasks {', '.join(cfg.data.tasks)}: {n} held-out problems (question texts "
                  f"never in training), {cfg.eval.samples} samples each at "
