@@ -1,14 +1,15 @@
 """The main job's reward rises from its first GRPO steps on more than one seed (slow:
 excluded from the default suite; run with ``pytest -m slow tests/train/test_demo_seeds.py``,
-SFT_MINUTES minutes on 2 CPU cores).
+about 15 minutes on 2 CPU cores).
 
 Each seed runs ``configs/grpo_tiny.py`` as the README's first command does (the
 same task, model, vocabulary, SFT warm start and GRPO settings; the ``seed`` changes the
 model init, the data order and the sampling noise) for its first 30 GRPO steps, with a
-256-problem held-out set. A shorter warm start is not the demo's: after 150 SFT steps
-seed 1's first 20 GRPO steps lowered the measure below (by 0.0023 +- 0.0007). The measure is the policy's probability of the reference
-answer on the held-out problems (the expected reward, counted on the reference spelling):
-unlike a sampled reward it has no sampling noise, so a few steps' gain is visible.
+256-problem held-out set. The measure is the policy's probability of the reference answer
+on the held-out problems (the expected reward, counted on the reference spelling): unlike
+a sampled reward it has no sampling noise, so a few steps' gain is visible. The warm start
+must be the config's own: after a 150-step SFT stage, seed 1's first 20 GRPO steps
+lowered this measure (by 0.0023 +- 0.0007).
 """
 
 from __future__ import annotations
