@@ -22,6 +22,9 @@ def get_config():
     c.data.tasks = ("chain_sum",)
     c.data.task_kwargs = {"chain_sum": {"min_terms": 3, "max_terms": 3, "min_digits": 1,
                                         "max_digits": 1}}
+    # no system turn: the answer format is taught by the SFT stage, and prompts are ~30
+    # tokens instead of ~55 (fewer packed rows: ~10% less run time; a stronger warm start)
+    c.data.system_prompt = ""
     c.data.prefill_answer_tag = True
     c.data.stop_at_close_tag = True  # completions: answer digits + "</" (2-4 tokens)
     c.sft.steps = 450

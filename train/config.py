@@ -13,6 +13,7 @@ from __future__ import annotations
 from ml_collections import ConfigDict
 
 from models.sharding import DEFAULT_RULES
+from train.data import SYSTEM_PROMPT
 
 
 def _optim(lr: float, warmup: int) -> ConfigDict:
@@ -62,6 +63,8 @@ def base_config() -> ConfigDict:
         # also stop at the first token of "</answer>" (a stop sequence); scored as if the
         # tag were closed. Shorter completions: fewer head rows to sample and score.
         "stop_at_close_tag": False,
+        # the ChatML system turn; "" leaves it out (shorter prompts: fewer packed rows)
+        "system_prompt": SYSTEM_PROMPT,
     })
 
     # Supervised warm start (train.sft, or the first stage of train.grpo).

@@ -5,7 +5,8 @@
   set. (Different seeds alone are not enough: many reasoning-gym generators seed item
   ``i`` with ``seed + i``, so two seeds' streams share items, and small task spaces
   repeat questions.)
-* ``prompt_ids``: a ChatML prompt asking for the final answer in ``<answer>`` tags;
+* ``prompt_ids``: a ChatML prompt (by default its system turn asks for the final answer
+  in ``<answer>`` tags);
   optionally the assistant turn is pre-filled with the opening ``<answer>`` tag
   (``answer_prefix``), which saves generating and scoring three format tokens per
   completion; optionally generation stops at the token that opens ``</answer>`` (a stop
@@ -94,6 +95,7 @@ class Tasks:
       stop_at_close_tag: the first token of ``</answer>`` (``close_id``, ``"</"`` in the
         Qwen BPE) is a stop token too (``stop_ids``): supervised targets end with it,
         and a reply that stops there is scored as if it went on with ``answer>``.
+      system_prompt: the ChatML system turn of every prompt; ``""`` leaves the turn out.
 
     Raises:
       ValueError: an unknown task (every valid name listed), or a dataset config the task
@@ -102,7 +104,7 @@ class Tasks:
 
     def __init__(self, specs: dict[str, dict], tokenizer: Tokenizer, max_prompt_len: int,
                  pool_size: int = 10**7, prefill_answer_tag: bool = False,
-                 stop_at_close_tag: bool = False):
+                 stop_at_close_tag: bool = False, system_prompt: str = SYSTEM_PROMPT):
         import reasoning_gym
 
         valid = available_tasks()
@@ -116,6 +118,7 @@ class Tasks:
         self.specs = {name: dict(kw) for name, kw in specs.items()}
         self.tokenizer, self.max_prompt_len, self.pool_size = tokenizer, max_prompt_len, pool_size
         self.answer_prefix = "<answer>" if prefill_answer_tag else ""
+        self.system_prompt = system_prompt
         self.close_id = tokenizer.encode("</answer>")[0] if stop_at_close_tag else None
         self._close_text = tokenizer.decode([self.close_id]) if stop_at_close_tag else ""
         self._datasets: dict[tuple[str, int], object] = {}
@@ -134,9 +137,9 @@ class Tasks:
         return self._datasets[key]
 
     def prompt_ids(self, question: str) -> list[int]:
-        """The ChatML prompt of ``question`` (system instruction + user question, then the
-        opened assistant turn and ``answer_prefix``)."""
-        prompt = self.tokenizer.chat_prompt(SYSTEM_PROMPT, question)
+        """The ChatML prompt of ``question`` (the system turn when ``system_prompt`` is not
+        empty, the user question, then the opened assistant turn and ``answer_prefix``)."""
+        prompt = self.tokenizer.chat_prompt(self.system_prompt, question)
         return prompt + self.tokenizer.encode(self.answer_prefix)
 
     @property

@@ -79,7 +79,8 @@ def build(cfg) -> Setup:
     tok = load_tokenizer(cfg.tokenizer or cfg.model.hf_checkpoint)
     tasks = Tasks(task_specs(cfg.data), tok, cfg.data.max_prompt_len,
                   prefill_answer_tag=cfg.data.prefill_answer_tag,
-                  stop_at_close_tag=cfg.data.stop_at_close_tag)
+                  stop_at_close_tag=cfg.data.stop_at_close_tag,
+                  system_prompt=cfg.data.system_prompt)
     if cfg.init.sft_checkpoint:
         require_checkpoint(cfg.init.sft_checkpoint)  # fail early, before any work
     check_resumable(workdir / SFT_DIR, cfg.sft.steps)

@@ -30,6 +30,14 @@ def test_qwen_tokenizer_and_chat_prompt(tok):
     assert tok.im_end_id not in tok.encode("<|im_end|>")
 
 
+def test_system_prompt_is_configurable_and_can_be_left_out(tok):
+    default = data.Tasks(SPEC, tok, 128).prompt_ids("What is 1 + 2?")
+    assert tok.decode(default).startswith(f"<|im_start|>system\n{data.SYSTEM_PROMPT}<|im_end|>")
+    bare = data.Tasks(SPEC, tok, 128, system_prompt="").prompt_ids("What is 1 + 2?")
+    assert tok.decode(bare) == "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    assert default[-len(bare):] == bare and len(bare) < len(default) - 15
+
+
 def test_unknown_task_lists_valid_names(tok):
     with pytest.raises(ValueError, match="valid names: .*chain_sum.*word_sorting"):
         data.Tasks({"chain_summ": {}}, tok, 128)
