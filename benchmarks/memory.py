@@ -28,7 +28,12 @@ is its dense emulation ("ragged (emulated)"), so only TPU-compiler rows compare 
     python benchmarks/memory.py --topology v6e:8x8 --layers 2 --capacity-factor 2
 
 Prints one markdown table row per mesh and dispatch, with the seconds spent lowering and
-compiling.
+compiling, and a breakdown of each step's memory: parameters and Adam moments (the shards'
+exact sizes), the saved activations (what the forward keeps for the backward: the
+residuals of the loss traced at one device's tokens, ``saved_residuals``; with remat and
+scan the ``[L, tokens, H]`` layer inputs) and the largest arrays of the compiled program
+(per device: the optimized HLO after SPMD partitioning; a temporary or an output, as XLA
+assigns them).
 The preset's ``scan_layers`` is kept (on for Qwen3-30B-A3B); ``--no-scan`` unrolls the
 layers.
 """
@@ -38,6 +43,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import time
 
 GIB = 2**30
@@ -98,18 +104,21 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
             "keep": jax.ShapeDtypeStruct((batch, seq), jnp.bool_),
             "advantages": jax.ShapeDtypeStruct((batch, seq), jnp.float32)}
 
-    def step(params, opt_state, data):
-        def loss_fn(params):
-            model = nnx.merge(graphdef, params)
-            out = model(data["tokens"], data["positions"], data["segment_ids"])
+    def loss_fn(params, data, sharded=True):
+        model = nnx.merge(graphdef, params)
+        out = model(data["tokens"], data["positions"], data["segment_ids"])
+        if sharded:
             head = model.lm_head.sharded(out.hidden, data["labels"], data["keep"],
                                          token_axes=present(mesh, BATCH_AXES),
                                          bucket=bucket, vocab_axis=vocab_axis)
-            count = jnp.maximum(jnp.sum(data["keep"]), 1)
-            return (-jnp.sum(data["advantages"] * head.logprobs) / count
-                    + cfg.router_aux_loss_coef * out.aux_loss)
+        else:  # one device's share: its tokens through the plain head
+            head = model.lm_head(out.hidden, data["labels"], data["keep"], bucket=bucket)
+        count = jnp.maximum(jnp.sum(data["keep"]), 1)
+        return (-jnp.sum(data["advantages"] * head.logprobs) / count
+                + cfg.router_aux_loss_coef * out.aux_loss)
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+    def step(params, opt_state, data):
+        loss, grads = jax.value_and_grad(loss_fn)(params, data)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -117,8 +126,13 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     run = jit_sharded(step, mesh, in_shardings=(p_shard, o_shard, b_shard),
                       out_shardings=(p_shard, o_shard, None), donate_argnums=(0, 1))
     start = time.perf_counter()
-    mem = run.lower(params, opt, data).compile().memory_analysis()
+    compiled = run.lower(params, opt, data).compile()
     seconds = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    # activations are split over the batch axes: one device's rows, traced unsharded
+    local = {k: jax.ShapeDtypeStruct((max(batch // shards, 1), seq), v.dtype) for k, v in data.items()}
+    saved, top_saved = saved_activation_bytes(
+        lambda p, d: loss_fn(p, d, sharded=False), params, local)
     param_bytes = _shard_bytes(params, p_shard)  # exact: the shards' sizes
     adam_bytes = _shard_bytes(opt, o_shard)
     peak = (mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
@@ -135,7 +149,46 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
         + (" (emulated)" if dispatch == "ragged" and topology is None else ""),
         "params": param_bytes / GIB, "adam": adam_bytes / GIB,
         "temp": mem.temp_size_in_bytes / GIB, "peak": peak / GIB, "compile": seconds,
+        "saved": saved / GIB, "largest_saved": top_saved,
+        "largest": largest_arrays(compiled.as_text()),
     }
+
+
+def saved_activation_bytes(loss_fn, params, data) -> tuple[int, list[str]]:
+    """Bytes the forward of ``loss_fn(params, data)`` saves for its backward, besides the
+    arguments themselves (``jax.ad_checkpoint``'s residual analysis on abstract shapes),
+    and the three largest residuals as ``"<MiB> MiB <shape> (<source>)"``."""
+    from jax._src.ad_checkpoint import saved_residuals  # print_saved_residuals' data
+
+    res = [(a.size * a.dtype.itemsize, a.str_short(), why)
+           for a, why in saved_residuals(loss_fn, params, data) if "argument" not in why]
+    res.sort(key=lambda r: -r[0])
+    return sum(r[0] for r in res), [f"{b / 2**20:.3g} MiB {s}" for b, s, _ in res[:3]]
+
+
+_HLO_ARRAY = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|bf16|f16|f32|f64)\[([\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
+             "u32": 4, "f32": 4, "s64": 8, "f64": 8}
+
+
+def largest_arrays(hlo_text: str, count: int = 3) -> list[str]:
+    """The ``count`` largest distinct array shapes that instructions of a compiled
+    (per-device, SPMD-partitioned) HLO module define outside fused computations (whose
+    values live in registers or VMEM, not in buffers), excluding parameters:
+    ``"<MiB> MiB <dtype>[dims]"``, largest first."""
+    sizes, fused = {}, False
+    for line in hlo_text.splitlines():
+        if line.endswith("{") and not line.startswith(" "):  # a computation's header
+            fused = "fused" in line.split("(")[0]
+        lhs, eq, rhs = line.partition(" = ")
+        if fused or not eq or " parameter(" in rhs:
+            continue
+        m = _HLO_ARRAY.search(rhs)  # the instruction's (first) result shape
+        if m:
+            dims = [int(d) for d in m.group(2).split(",") if d]
+            sizes[f"{m.group(1)}[{m.group(2)}]"] = math.prod(dims) * _ITEMSIZE[m.group(1)]
+    top = sorted(sizes.items(), key=lambda kv: -kv[1])[:count]
+    return [f"{b / 2**20:.3g} MiB {shape}" for shape, b in top]
 
 
 def _topology_devices(name: str):
@@ -190,6 +243,7 @@ def main(argv=None) -> None:
           "temporaries GiB | peak GiB | compile s | compiled for | dispatch |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     dispatches = ("dense", "ragged") if args.dispatch == "both" else (args.dispatch,)
+    rows = []
     for mesh in meshes:
         for dispatch in dispatches:
             row = measure(args.preset, mesh, batch=args.batch, seq=args.seq, keep=args.keep,
@@ -199,6 +253,12 @@ def main(argv=None) -> None:
             print("| {preset} | {mesh} | {devices} | {tokens} | {params:.3g} | {adam:.3g} | "
                   "{temp:.3g} | {peak:.3g} | {compile:.0f} | {target} | {dispatch} |"
                   .format(**row), flush=True)
+            rows.append(row)
+    print("\n| preset | dispatch | saved activations GiB | largest saved | "
+          "largest arrays of the compiled step (per device) |\n|---|---|---|---|---|")
+    for row in rows:
+        print("| {preset} | {dispatch} | {saved:.3g} | {s} | {a} |".format(
+            **row, s="; ".join(row["largest_saved"]), a="; ".join(row["largest"])))
 
 
 if __name__ == "__main__":
