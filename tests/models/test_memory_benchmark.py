@@ -1,6 +1,7 @@
 """``benchmarks/memory.py`` runs end to end (tiny MoE, 4 fake CPU devices) and prints a
 table row (the ragged expert dispatch, emulated on CPU: the whole model through it) whose
-parameter bytes match the sharded parameter count."""
+parameter bytes match the sharded parameter count, and its breakdown row (saved
+activations, the largest arrays of the compiled step)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,19 @@ def test_memory_benchmark_tiny():
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| tiny-moe")]
+    sizes, breakdown = proc.stdout.strip().split("\n\n")
+    rows = [line for line in sizes.splitlines() if line.startswith("| tiny-moe")]
     assert len(rows) == 1, proc.stdout
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
     assert cells[1:4] == ["fsdp=2 x expert=2", "4", "32"]
     params, adam, temp, peak = map(float, cells[4:8])
     assert float(cells[8]) > 0 and cells[9:11] == ["CPU (approximation)", "ragged (emulated)"]
     assert abs(adam - 2 * params) <= 1e-2 * adam and 0 < temp and peak >= params + adam
+    rows = [line for line in breakdown.splitlines() if line.startswith("| tiny-moe")]
+    assert len(rows) == 1, proc.stdout
+    _, dispatch, saved, largest_saved, largest = (
+        c.strip() for c in rows[0].strip("|").split("|"))
+    # one sequence of 32 tokens, width 64, 2 layers: at least the bf16 layer inputs are saved
+    assert dispatch == "ragged (emulated)"
+    assert 2 * 32 * 64 * 2 <= float(saved) * 2**30 < temp * 2**30
+    assert largest_saved.count("MiB") == 3 and largest.count("MiB") == 3

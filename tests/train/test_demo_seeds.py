@@ -1,6 +1,6 @@
 """The main job's reward rises from its first GRPO steps on more than one seed (slow:
-excluded from the default suite; run with ``pytest -m slow tests/train/test_demo_seeds.py``,
-an estimated 20 minutes on 2 CPU cores, not yet timed).
+excluded from the default suite; run with ``pytest -m slow tests/train/test_demo_seeds.py``:
+373 s on a 2-core AMD EPYC, 197 s and 176 s per seed).
 
 Each seed runs ``configs/grpo_tiny.py`` as the README's first command does (the
 same task, model, vocabulary, SFT warm start and GRPO settings; the ``seed`` changes the
