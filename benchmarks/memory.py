@@ -130,7 +130,8 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
     # activations are split over the batch axes: one device's rows, traced unsharded
-    local = {k: jax.ShapeDtypeStruct((max(batch // shards, 1), seq), v.dtype) for k, v in data.items()}
+    local = {k: jax.ShapeDtypeStruct((max(batch // shards, 1), seq), v.dtype)
+             for k, v in data.items()}
     saved, top_saved = saved_activation_bytes(
         lambda p, d: loss_fn(p, d, sharded=False), params, local)
     param_bytes = _shard_bytes(params, p_shard)  # exact: the shards' sizes
