@@ -31,9 +31,8 @@ Prints one markdown table row per mesh and dispatch, with the seconds spent lowe
 compiling, and a breakdown of each step's memory: parameters and Adam moments (the shards'
 exact sizes), the saved activations (what the forward keeps for the backward: the
 residuals of the loss traced at one device's tokens, ``saved_residuals``; with remat and
-scan the ``[L, tokens, H]`` layer inputs) and the largest arrays of the compiled program
-(per device: the optimized HLO after SPMD partitioning; a temporary or an output, as XLA
-assigns them).
+scan the ``[L, tokens, H]`` layer inputs) and the largest temporaries of the compiled
+program (per device, from the buffer assignment XLA dumps with ``xla_dump_to``).
 The preset's ``scan_layers`` is kept (on for Qwen3-30B-A3B); ``--no-scan`` unrolls the
 layers.
 """
@@ -44,6 +43,7 @@ import argparse
 import math
 import os
 import re
+import tempfile
 import time
 
 GIB = 2**30
@@ -125,9 +125,13 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     b_shard = batch_sharding(mesh)
     run = jit_sharded(step, mesh, in_shardings=(p_shard, o_shard, b_shard),
                       out_shardings=(p_shard, o_shard, None), donate_argnums=(0, 1))
-    start = time.perf_counter()
-    compiled = run.lower(params, opt, data).compile()
-    seconds = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as dump:  # the buffer assignment, as text
+        start = time.perf_counter()
+        compiled = run.lower(params, opt, data).compile(
+            {"xla_dump_to": dump, "xla_dump_hlo_as_text": True,
+             "xla_dump_hlo_module_re": "step"})
+        seconds = time.perf_counter() - start
+        largest = largest_temporaries(_buffer_assignment(dump))
     mem = compiled.memory_analysis()
     # activations are split over the batch axes: one device's rows, traced unsharded
     local = {k: jax.ShapeDtypeStruct((max(batch // shards, 1), seq), v.dtype)
@@ -151,7 +155,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
         "params": param_bytes / GIB, "adam": adam_bytes / GIB,
         "temp": mem.temp_size_in_bytes / GIB, "peak": peak / GIB, "compile": seconds,
         "saved": saved / GIB, "largest_saved": top_saved,
-        "largest": largest_arrays(compiled.as_text()),
+        "largest": largest,
     }
 
 
@@ -167,29 +171,41 @@ def saved_activation_bytes(loss_fn, params, data) -> tuple[int, list[str]]:
     return sum(r[0] for r in res), [f"{b / 2**20:.3g} MiB {s}" for b, s, _ in res[:3]]
 
 
-_HLO_ARRAY = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|bf16|f16|f32|f64)\[([\d,]*)\]")
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
-             "u32": 4, "f32": 4, "s64": 8, "f64": 8}
+_ALLOCATION = re.compile(r"^allocation \d+: size (\d+)(.*):$")
+_VALUE = re.compile(r"^ value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (\S+)")
 
 
-def largest_arrays(hlo_text: str, count: int = 3) -> list[str]:
-    """The ``count`` largest distinct array shapes that instructions of a compiled
-    (per-device, SPMD-partitioned) HLO module define outside fused computations (whose
-    values live in registers or VMEM, not in buffers), excluding parameters:
-    ``"<MiB> MiB <dtype>[dims]"``, largest first."""
-    sizes, fused = {}, False
-    for line in hlo_text.splitlines():
-        if line.endswith("{") and not line.startswith(" "):  # a computation's header
-            fused = "fused" in line.split("(")[0]
-        lhs, eq, rhs = line.partition(" = ")
-        if fused or not eq or " parameter(" in rhs:
-            continue
-        m = _HLO_ARRAY.search(rhs)  # the instruction's (first) result shape
+def largest_temporaries(buffer_assignment: str, count: int = 3) -> list[str]:
+    """The ``count`` largest values XLA placed in temporary buffers of device memory, from
+    a compiled module's buffer-assignment dump (``*buffer-assignment.txt`` of
+    ``xla_dump_to``; per device after SPMD partitioning): ``"<MiB> MiB <shape>
+    (<instruction>)"``, largest first. Parameters, outputs, constants, thread-local
+    scalars and other memory spaces (TPU VMEM, SMEM: ``color`` > 0) are left out."""
+    values, temp = {}, False
+    for line in buffer_assignment.splitlines():
+        m = _ALLOCATION.match(line)
         if m:
-            dims = [int(d) for d in m.group(2).split(",") if d]
-            sizes[f"{m.group(1)}[{m.group(2)}]"] = math.prod(dims) * _ITEMSIZE[m.group(1)]
-    top = sorted(sizes.items(), key=lambda kv: -kv[1])[:count]
-    return [f"{b / 2**20:.3g} MiB {shape}" for shape, b in top]
+            kind = m.group(2)
+            temp = not any(k in kind for k in (
+                "parameter", "output shape", "constant", "thread-local", "color"))
+            temp = temp or ", color 0," in kind
+            continue
+        m = _VALUE.match(line)
+        if temp and m:
+            name, size, shape = m.group(1), int(m.group(2)), m.group(3).split("{")[0]
+            values[name] = max(values.get(name, (0, ""))[0], size), shape
+    top = sorted(values.items(), key=lambda kv: -kv[1][0])[:count]
+    return [f"{b / 2**20:.3g} MiB {shape} ({name})" for name, (b, shape) in top]
+
+
+def _buffer_assignment(dump_dir: str) -> str:
+    """The buffer assignment of the largest module XLA dumped into ``dump_dir``."""
+    files = [os.path.join(dump_dir, f) for f in os.listdir(dump_dir)
+             if f.endswith("after_optimizations-buffer-assignment.txt")]
+    if not files:
+        return ""
+    with open(max(files, key=os.path.getsize)) as f:
+        return f.read()
 
 
 def _topology_devices(name: str):
@@ -256,7 +272,7 @@ def main(argv=None) -> None:
                   .format(**row), flush=True)
             rows.append(row)
     print("\n| preset | dispatch | saved activations GiB | largest saved | "
-          "largest arrays of the compiled step (per device) |\n|---|---|---|---|---|")
+          "largest temporaries of the compiled step (per device) |\n|---|---|---|---|---|")
     for row in rows:
         print("| {preset} | {dispatch} | {saved:.3g} | {s} | {a} |".format(
             **row, s="; ".join(row["largest_saved"]), a="; ".join(row["largest"])))
