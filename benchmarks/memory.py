@@ -29,9 +29,10 @@ is its dense emulation ("ragged (emulated)"), so only TPU-compiler rows compare 
 
 Prints one markdown table row per mesh and dispatch, with the seconds spent lowering and
 compiling, and a breakdown of each step's memory: parameters and Adam moments (the shards'
-exact sizes), the saved activations (what the forward keeps for the backward: the
-residuals of the loss traced at one device's tokens, ``saved_residuals``; with remat and
-scan the ``[L, tokens, H]`` layer inputs) and the largest temporaries of the compiled
+exact sizes), what the forward saves for the backward (the residuals of the loss traced
+at one device's tokens, ``saved_residuals``, besides the arguments: activations, and
+compute-dtype copies of weights such as the head's ``[H, V]``; with remat and scan the
+activations are the ``[L, tokens, H]`` layer inputs) and the largest temporaries of the compiled
 program (per device, from the buffer assignment XLA dumps with ``xla_dump_to``).
 The preset's ``scan_layers`` is kept (on for Qwen3-30B-A3B); ``--no-scan`` unrolls the
 layers.
@@ -271,7 +272,7 @@ def main(argv=None) -> None:
                   "{temp:.3g} | {peak:.3g} | {compile:.0f} | {target} | {dispatch} |"
                   .format(**row), flush=True)
             rows.append(row)
-    print("\n| preset | dispatch | saved activations GiB | largest saved | "
+    print("\n| preset | dispatch | saved for the backward GiB | largest saved | "
           "largest temporaries of the compiled step (per device) |\n|---|---|---|---|---|")
     for row in rows:
         print("| {preset} | {dispatch} | {saved:.3g} | {s} | {a} |".format(
