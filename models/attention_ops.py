@@ -15,18 +15,29 @@ Implementations (``IMPLEMENTATIONS``):
 * ``"dense"``: the materialised ``[B, T, S]`` mask and scores
   (``models.attention_xla.dense_attention``): the test reference.
 
-``"auto"`` picks by ``jax.default_backend()``: ``splash`` on TPU, ``pallas_gpu`` on GPU,
-``xla_chunked`` elsewhere, and falls back to ``xla_chunked`` when the kernel cannot run
-the call (a length that is not a multiple of its block), logging a warning on logger
-``"models"``. An explicit kernel raises ``KernelUnsupported`` instead; off its platform it
-runs in Pallas interpret mode (slow: for tests).
+``"auto"`` picks by the platform the trace compiles for (``target_platform``: the devices
+of the mesh in context, ``jax.set_mesh``, else ``jax.default_backend()``; so a CPU machine
+compiling for a TPU topology picks what a TPU would): ``splash`` on TPU, ``pallas_gpu`` on
+GPU, ``xla_chunked`` elsewhere, and falls back to ``xla_chunked`` when the kernel cannot
+run the call (a length that is not a multiple of its block, rows or heads that do not
+split over the mesh), logging a warning on logger ``"models"``. An explicit kernel raises
+``KernelUnsupported`` instead; off its platform it runs in Pallas interpret mode (slow:
+for tests).
+
+Under a multi-device mesh a compiled kernel cannot be split by XLA's partitioner (Mosaic
+and Triton calls are opaque to it), so it runs inside ``jax.shard_map``: rows split over
+the batch axes present (``models.mesh.BATCH_AXES``), heads over ``tensor``; attention is
+per row and per head, so each device runs the kernel on its own rows and heads, with no
+communication.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from models.attention_kernels import (
     KernelUnsupported,
@@ -35,6 +46,7 @@ from models.attention_kernels import (
     splash_attention,
 )
 from models.attention_xla import chunked_attention, dense_attention
+from models.mesh import BATCH_AXES
 
 logger = logging.getLogger("models")
 
@@ -43,14 +55,23 @@ _AUTO = {"tpu": "splash", "gpu": "pallas_gpu"}
 _KERNELS = {"splash": (splash_attention, "tpu"), "pallas_gpu": (pallas_gpu_attention, "gpu")}
 
 
+def target_platform() -> str:
+    """The platform the current trace compiles for: the abstract device of the mesh in
+    context (``jax.set_mesh``), else ``jax.default_backend()``; ``"gpu"`` for CUDA and
+    ROCm (the rule ``jaxhead``'s kernels follow too)."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    platform = jax.default_backend() if device is None else device.platform
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
 def resolve_impl(impl: str) -> str:
-    """The implementation ``impl`` names (``"auto"``: by ``jax.default_backend()``).
+    """The implementation ``impl`` names (``"auto"``: by ``target_platform()``).
 
     Raises:
       ValueError: not ``"auto"`` nor one of ``IMPLEMENTATIONS``.
     """
     if impl == "auto":
-        return _AUTO.get(jax.default_backend(), "xla_chunked")
+        return _AUTO.get(target_platform(), "xla_chunked")
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention_impl must be 'auto' or one of {IMPLEMENTATIONS}, "
                          f"got {impl!r}")
@@ -87,8 +108,8 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
         kernel, platform = _KERNELS[name]
         check_packing(positions, segment_ids)
         try:
-            return kernel(q, k, v, segment_ids, scale=scale,
-                          interpret=jax.default_backend() != platform)
+            return _per_device(kernel, q, k, v, segment_ids, scale=scale,
+                               interpret=target_platform() != platform)
         except KernelUnsupported as err:
             if impl != "auto":
                 raise
@@ -96,6 +117,38 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
                            "'xla_chunked'", name, err)
     return chunked_attention(q, k, v, positions, segment_ids, positions, segment_ids,
                              scale=scale)
+
+
+def _per_device(kernel, q, k, v, segment_ids, **kwargs):
+    """``kernel(q, k, v, segment_ids, **kwargs)``, inside ``jax.shard_map`` over the mesh in
+    context when XLA would otherwise have to partition it (rows over the batch axes, heads
+    over ``tensor``; see the module docstring). The shard_map is manual over every axis
+    not already manual, size-1 ones included: Mosaic refuses a partly manual context.
+
+    Raises:
+      KernelUnsupported: the rows or the KV heads do not split over those axes.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    free = {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes,
+                                                    mesh.axis_types)
+            if kind != jax.sharding.AxisType.Manual}
+    auto = {name: size for name, size in free.items() if size > 1}
+    if not auto:
+        return kernel(q, k, v, segment_ids, **kwargs)
+    rows = tuple(a for a in BATCH_AXES if a in auto) or None
+    heads = "tensor" if "tensor" in auto else None
+    row_shards = 1 if rows is None else math.prod(auto[a] for a in rows)
+    head_shards = auto.get("tensor", 1)
+    unsplit = [a for a in auto if a not in (*(rows or ()), heads)]
+    if q.shape[0] % row_shards or k.shape[2] % head_shards or unsplit:
+        raise KernelUnsupported(
+            f"rows ({q.shape[0]}) and KV heads ({k.shape[2]}) must split over the mesh "
+            f"axes {dict(auto)} (rows over {rows}, heads over {heads}; no other axes)")
+    heads_spec, rows_spec = P(rows, None, heads, None), P(rows, None)
+    run = jax.shard_map(lambda *a: kernel(*a, **kwargs), mesh=mesh,
+                        in_specs=(heads_spec, heads_spec, heads_spec, rows_spec),
+                        out_specs=heads_spec, axis_names=set(free), check_vma=False)
+    return run(q, k, v, segment_ids)
 
 
 def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,

@@ -208,7 +208,7 @@ def distributed_forward_case() -> dict:
     each process feeding its half of the batch and agreeing on the bucket with a
     collective) or as 1 process x 4 devices; the two must return the same numbers.
     """
-    if "JAX_NUM_PROCESSES" in __import__("os").environ:  # noqa: SIM112
+    if "JAX_NUM_PROCESSES" in __import__("os").environ:
         initialize_distributed()
     mesh_config = {"data": 2, "expert": 2}
     mesh = make_mesh(mesh_config)
@@ -265,3 +265,54 @@ def errors_case() -> dict:
         hidden.reshape(6, 8, 32), weight, labels.reshape(6, 8), mesh=mesh,
         token_axes=present(mesh, BATCH_AXES)))
     return messages
+
+
+def attention_kernels_case() -> dict:
+    """The attention kernels (Pallas interpret mode) on a data=2 x fsdp=2 x tensor=2 mesh:
+    ``self_attention`` runs them inside ``jax.shard_map`` (rows over data x fsdp, heads
+    over tensor); forward and gradients against the dense reference; what ``"auto"``
+    picks on a CPU mesh; rows that do not split over the batch axes."""
+    from models.attention_kernels import KernelUnsupported
+    from models.attention_ops import resolve_impl, self_attention
+    from models.attention_xla import dense_attention
+
+    b, t, n, kv, d = 4, 256, 4, 2, 32
+    keys = jax.random.split(jax.random.key(5), 4)
+    q = jax.random.normal(keys[0], (b, t, n, d))
+    k, v = (jax.random.normal(x, (b, t, kv, d)) for x in keys[1:3])
+    w = jax.random.normal(keys[3], (b, t, n, d))
+    lengths = [[100, 120], [256], [30, 60, 90], [200]]
+    seg = np.zeros((b, t), np.int32)
+    pos = np.tile(np.arange(t, dtype=np.int32), (b, 1))
+    for row, ls in enumerate(lengths):
+        start = 0
+        for i, length in enumerate(ls):
+            seg[row, start:start + length] = i + 1
+            pos[row, start:start + length] = np.arange(length)
+            start += length
+    real = jnp.asarray(seg != 0)[:, :, None, None]
+
+    def grads(fn):
+        loss = lambda q, k, v: (fn(q, k, v) * w * real).sum()
+        return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
+
+    ref = grads(lambda q, k, v: dense_attention(q, k, v, pos, seg, pos, seg, scale=0.2))
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    out = {}
+    for impl in ("splash", "pallas_gpu"):
+        attn = lambda q, k, v, impl=impl: self_attention(q, k, v, pos, seg, scale=0.2,
+                                                         impl=impl)
+        with jax.set_mesh(mesh):
+            got = jax.jit(lambda q, k, v, attn=attn: grads(attn))(q, k, v)
+            hlo = jax.jit(attn).lower(q, k, v).as_text()
+        out[impl] = {"loss": max_abs(got[0], ref[0]),
+                     "grads": max(max_abs(g, r) for g, r in zip(got[1], ref[1])),
+                     "shard_map": "shard_map" in hlo or "sdy.manual_computation" in hlo}
+    with jax.set_mesh(mesh):
+        out["auto_on_cpu_mesh"] = resolve_impl("auto")
+        try:
+            self_attention(q[:3], k[:3], v[:3], pos[:3], seg[:3], scale=0.2, impl="splash")
+            out["three_rows"] = "ran"
+        except KernelUnsupported as err:
+            out["three_rows"] = str(err)
+    return out

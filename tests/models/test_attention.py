@@ -15,6 +15,7 @@ from models.attention_ops import cache_attention, self_attention
 from models.attention_xla import chunked_attention, dense_attention
 from models.config import ModelConfig, get_config
 from models.transformer import DecoderLayer
+from tests.support.multidevice import run_case
 
 RTOL = 1e-5
 
@@ -176,3 +177,15 @@ def test_memory_linear_in_length_inside_a_layer_scan():
     tokens. 4x the tokens must need <= 4.5x the temporaries (that buffer: 16x)."""
     small, large = scanned_attention_temp_bytes(1024), scanned_attention_temp_bytes(4096)
     assert large <= 4.5 * small, (small, large)
+
+
+def test_kernels_run_per_device_under_a_mesh():
+    """8 CPU devices (subprocess): the kernels inside ``jax.shard_map`` equal the dense
+    reference, forward and gradients; rows that do not split raise for an explicit
+    kernel (``"auto"`` falls back to ``xla_chunked``)."""
+    r = run_case("tests.models.sharding_cases:attention_kernels_case")
+    for impl in ("splash", "pallas_gpu"):
+        assert r[impl]["shard_map"], r
+        assert r[impl]["loss"] <= 1e-3 and r[impl]["grads"] <= 1e-4, r
+    assert r["auto_on_cpu_mesh"] == "xla_chunked"
+    assert "rows (3)" in r["three_rows"] and "must split" in r["three_rows"], r
