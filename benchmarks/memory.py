@@ -128,7 +128,8 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
                       out_shardings=(p_shard, o_shard, None), donate_argnums=(0, 1))
     with tempfile.TemporaryDirectory() as dump:  # the buffer assignment, as text
         start = time.perf_counter()
-        compiled = run.lower(params, opt, data).compile(
+        lowered = run.lower(params, opt, data)
+        compiled = lowered.compile(
             {"xla_dump_to": dump, "xla_dump_hlo_as_text": True,
              "xla_dump_hlo_module_re": "step"})
         seconds = time.perf_counter() - start
@@ -157,6 +158,9 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
         "temp": mem.temp_size_in_bytes / GIB, "peak": peak / GIB, "compile": seconds,
         "saved": saved / GIB, "largest_saved": top_saved,
         "largest": largest,
+        # Mosaic kernels (TPU: the Pallas head's forward / dh / dW, splash attention's
+        # forward / dq / dkv; one of each however many layers the scan runs)
+        "kernels": lowered.as_text().count("tpu_custom_call"),
     }
 
 
@@ -258,8 +262,8 @@ def main(argv=None) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     print("| preset | mesh | devices | tokens/device | params GiB | Adam m+v GiB | "
-          "temporaries GiB | peak GiB | compile s | compiled for | dispatch |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "temporaries GiB | peak GiB | compile s | compiled for | dispatch | Mosaic kernels |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     dispatches = ("dense", "ragged") if args.dispatch == "both" else (args.dispatch,)
     rows = []
     for mesh in meshes:
@@ -269,7 +273,7 @@ def main(argv=None) -> None:
                           topology=args.topology, scan=not args.no_scan, dispatch=dispatch,
                           capacity_factor=args.capacity_factor)
             print("| {preset} | {mesh} | {devices} | {tokens} | {params:.3g} | {adam:.3g} | "
-                  "{temp:.3g} | {peak:.3g} | {compile:.0f} | {target} | {dispatch} |"
+                  "{temp:.3g} | {peak:.3g} | {compile:.0f} | {target} | {dispatch} | {kernels} |"
                   .format(**row), flush=True)
             rows.append(row)
     print("\n| preset | dispatch | saved for the backward GiB | largest saved | "

@@ -101,3 +101,4 @@ def test_small_moe_grpo_step_compiles_on_a_mesh():
     assert row["target"] == "TPU compiler (v6e:2x2)"
     assert row["peak"] >= row["params"] + row["adam"] > 0
     assert row["saved"] > 0 and len(row["largest"]) == 3
+    assert row["kernels"] == 6, row  # the head's fwd / dh / dW, splash's fwd / dq / dkv
