@@ -167,7 +167,7 @@ def format_table(rows: list[dict]) -> str:
 def print_resources() -> int:
     """The ``--resources`` table; 2 without ``triton``, 1 if a kernel spills."""
     try:
-        import triton  # noqa: F401
+        import triton
     except ImportError:
         print("--resources needs the triton package (pip install triton)", file=sys.stderr)
         return 2

@@ -42,7 +42,7 @@ def keep_of(n, fraction, seed=1):
     """A keep mask shaped like RL rows: a prompt block skipped, then completion tokens."""
     rows = max(1, n // 512)
     per_row = n // rows
-    kept = int(round(per_row * fraction))
+    kept = round(per_row * fraction)
     row = np.arange(per_row) >= per_row - kept
     return jnp.asarray(np.tile(row, rows)[:n])
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support, from a checkout
-from tests.support.tpu_compile import (  # noqa: E402
+from tests.support.tpu_compile import (
     MIB,
     SHAPES,
     TOPOLOGIES,

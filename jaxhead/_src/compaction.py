@@ -46,7 +46,7 @@ def _compact_fwd(x, idx, pos):
 
 
 def _compact_bwd(res, ct):
-    idx, pos = res
+    _idx, pos = res
     return gather_rows(ct, pos), None, None
 
 
@@ -65,7 +65,7 @@ def _expand_fwd(values, idx, pos):
 
 
 def _expand_bwd(res, ct):
-    idx, pos = res
+    idx, _pos = res
     return gather_rows(ct, idx), None, None
 
 

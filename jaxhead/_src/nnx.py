@@ -47,7 +47,7 @@ class LMHead(nnx.Module):
         softcap: float | None = None,
         dtype=None,
         param_dtype=jnp.float32,
-        kernel_init=nnx.initializers.lecun_normal(),
+        kernel_init=nnx.initializers.lecun_normal(),  # noqa: B008 - flax initialisers are factories
         impl: str = "auto",
         config=None,
     ):

@@ -38,16 +38,16 @@ def test_batched_label_error_names_multi_dim_position(data):
 @pytest.mark.parametrize(
     "change, match",
     [
-        (dict(weight=jnp.zeros((17, 300))), r"hidden shape \(40, 16\) and weight shape \(17, 300\)"),
-        (dict(labels=jnp.zeros((41,), jnp.int32)), r"labels shape \(41,\) must equal hidden shape"),
-        (dict(keep=jnp.ones((39,), bool)), r"keep shape \(39,\) != labels shape \(40,\)"),
-        (dict(temperature=jnp.ones((3,))), r"temperature must be a scalar or of labels shape"),
-        (dict(weight=jnp.zeros((16,))), r"weight must be \[H, V\], got shape \(16,\)"),
+        ({"weight": jnp.zeros((17, 300))}, r"hidden shape \(40, 16\) and weight shape \(17, 300\)"),
+        ({"labels": jnp.zeros((41,), jnp.int32)}, r"labels shape \(41,\) must equal hidden shape"),
+        ({"keep": jnp.ones((39,), bool)}, r"keep shape \(39,\) != labels shape \(40,\)"),
+        ({"temperature": jnp.ones((3,))}, r"temperature must be a scalar or of labels shape"),
+        ({"weight": jnp.zeros((16,))}, r"weight must be \[H, V\], got shape \(16,\)"),
     ],
 )
 def test_shape_mismatch_names_both_shapes(data, change, match):
     hidden, weight, labels = data
-    kw = dict(hidden=hidden, weight=weight, labels=labels, keep=None, temperature=1.0)
+    kw = {"hidden": hidden, "weight": weight, "labels": labels, "keep": None, "temperature": 1.0}
     kw.update(change)
     with pytest.raises(ValueError, match=match):
         jaxhead.token_logprobs(kw.pop("hidden"), kw.pop("weight"), kw.pop("labels"),
@@ -114,10 +114,11 @@ def test_ignore_index_labels_are_not_kept_without_a_keep_mask():
         (_, out), (dh, dw) = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True),
                                      static_argnums=3)(hidden, weight, labels, bucket)
         chex.assert_trees_all_close(out, want, atol=1e-6)
-        (_, _), (dh_want, dw_want) = jax.value_and_grad(
-            lambda h, w: (lambda o: (jnp.sum(o.logprobs) + 0.3 * jnp.sum(o.entropy), o))(
-                jaxhead.token_logprobs(h, w, labels, valid)), (0, 1), has_aux=True)(
-            hidden, weight)
+        def explicit(h, w):
+            o = jaxhead.token_logprobs(h, w, labels, valid)
+            return jnp.sum(o.logprobs) + 0.3 * jnp.sum(o.entropy)
+
+        dh_want, dw_want = jax.grad(explicit, (0, 1))(hidden, weight)
         assert np.all(np.asarray(dh)[:, -1] == 0), bucket
         chex.assert_trees_all_close((dh, dw), (dh_want, dw_want), atol=1e-5)
 

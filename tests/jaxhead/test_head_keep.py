@@ -30,7 +30,7 @@ def _grads(hidden, weight, labels, keep, g, e, **kw):
 
 
 def test_kept_rows_equal_full_result_and_skipped_are_zero(data):
-    hidden, weight, labels, keep, g, e = data
+    hidden, weight, labels, keep, _g, _e = data
     full = jaxhead.token_logprobs(hidden, weight, labels, **KW)
     out = jaxhead.token_logprobs(hidden, weight, labels, keep, **KW)
     k = np.asarray(keep)
@@ -73,7 +73,7 @@ def test_nan_in_skipped_hidden_does_not_reach_kept_tokens(data):
 
 
 def test_static_bucket_under_jit_matches_eager(data):
-    hidden, weight, labels, keep, g, e = data
+    hidden, weight, labels, keep, _g, _e = data
     bucket = jaxhead.bucket_size(int(keep.sum()), N)
     assert bucket < N
     eager = jaxhead.token_logprobs(hidden, weight, labels, keep, **KW)
@@ -84,7 +84,7 @@ def test_static_bucket_under_jit_matches_eager(data):
 
 
 def test_traced_keep_without_bucket_computes_all_rows(data):
-    hidden, weight, labels, keep, g, e = data
+    hidden, weight, labels, keep, _g, _e = data
     eager = jaxhead.token_logprobs(hidden, weight, labels, keep, **KW)
     jitted = jax.jit(lambda k: jaxhead.token_logprobs(hidden, weight, labels, k, **KW))(keep)
     chex.assert_trees_all_close(jitted, eager, atol=1e-6, rtol=0)
@@ -104,7 +104,7 @@ def test_bucket_overflow_under_jit_marks_lost_tokens_nan(data):
 
 
 def test_out_of_range_label_under_jit_is_nan_not_silent(data):
-    hidden, weight, labels, keep, *_ = data
+    hidden, weight, labels, _keep, *_ = data
     bad = labels.at[3].set(V + 5)
     out = jax.jit(lambda y: jaxhead.token_logprobs(hidden, weight, y, **KW))(bad)
     lp = np.asarray(out.logprobs)
@@ -121,8 +121,8 @@ def test_a_zero_bucket_computes_nothing():
         out = jaxhead.token_logprobs(hidden, weight, labels, jnp.asarray([False]), bucket=0,
                                      impl=impl)
         assert float(out.logprobs[0]) == 0.0 and float(out.entropy[0]) == 0.0
-        g = jax.grad(lambda h: jaxhead.token_logprobs(h, weight, labels, jnp.asarray([False]),
-                                                      bucket=0, impl=impl).logprobs.sum())(hidden)
+        g = jax.grad(lambda h, impl=impl: jaxhead.token_logprobs(
+            h, weight, labels, jnp.asarray([False]), bucket=0, impl=impl).logprobs.sum())(hidden)
         assert np.all(np.asarray(g) == 0.0)
     run = jax.jit(lambda k: jaxhead.token_logprobs(hidden, weight, labels, k, bucket=0).logprobs)
     assert np.isnan(float(run(jnp.asarray([True]))[0]))

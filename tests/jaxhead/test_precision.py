@@ -137,7 +137,8 @@ def test_entropy_of_a_distribution_with_impossible_ids_is_finite():
         out = head(impl)(hidden, weight, labels)
         np.testing.assert_allclose(out.logprobs, ref_lp, atol=2e-6)
         np.testing.assert_allclose(out.entropy, ref_ent, atol=2e-6)
-        grads = jax.grad(lambda w: jnp.sum(head(impl)(hidden, w, labels).entropy))(weight)
+        grads = jax.grad(
+            lambda w, impl=impl: jnp.sum(head(impl)(hidden, w, labels).entropy))(weight)
         assert np.all(np.isfinite(np.asarray(grads))), impl
     single = jnp.asarray([[5.0, -jnp.inf, -jnp.inf]])
     out = jaxhead.token_logprobs(jnp.ones((1, 1)), single, jnp.asarray([0]))

@@ -29,12 +29,12 @@ import pytest
 
 pytest.importorskip("libtpu", reason="needs libtpu (pip install -e '.[tpu]') for the TPU compiler")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-import jaxhead  # noqa: E402
-from jaxhead._src.head import api, pallas_mode, pallas_tpu  # noqa: E402
-from tests.support import tpu_compile as tc  # noqa: E402
+import jaxhead
+from jaxhead._src.head import api, pallas_mode, pallas_tpu
+from tests.support import tpu_compile as tc
 
 FULL = os.environ.get("JAXHEAD_TPU_COMPILE", "") == "full"
 MIB = tc.MIB

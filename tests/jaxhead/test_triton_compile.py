@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("triton", reason="needs the triton package (its ptxas) to build cubins")
 
-from tests.support import triton_compile as trc  # noqa: E402
+from tests.support import triton_compile as trc
 
 KERNELS = ("jaxhead_head_forward", "jaxhead_head_dlogits")
 

@@ -77,12 +77,12 @@ class Case:
 
 #: The shapes of issue 14 and Qwen3-30B-A3B's head (4096 tokens per chip).
 SHAPES = {
-    "qwen-8k": dict(n=8192, hidden=4096, vocab=151936, dtype="bfloat16"),
-    "cap-temp": dict(n=2056, hidden=5120, vocab=152064, dtype="bfloat16", softcap=SOFTCAP,
-                     token_temp=True),
-    "f32-temp": dict(n=1024, hidden=2048, vocab=32000, dtype="float32", token_temp=True),
-    "qwen3-30b": dict(n=4096, hidden=2048, vocab=151936, dtype="bfloat16", token_temp=True,
-                      min_logit=True),
+    "qwen-8k": {"n": 8192, "hidden": 4096, "vocab": 151936, "dtype": "bfloat16"},
+    "cap-temp": {"n": 2056, "hidden": 5120, "vocab": 152064, "dtype": "bfloat16", "softcap": SOFTCAP,
+                     "token_temp": True},
+    "f32-temp": {"n": 1024, "hidden": 2048, "vocab": 32000, "dtype": "float32", "token_temp": True},
+    "qwen3-30b": {"n": 4096, "hidden": 2048, "vocab": 151936, "dtype": "bfloat16", "token_temp": True,
+                      "min_logit": True},
 }
 
 
@@ -119,7 +119,7 @@ def step(case: Case, mesh: Mesh):
         per_row if case.token_temp else None,
         per_row if case.min_logit else None,
     )
-    kw = dict(softcap=case.softcap, impl=case.impl, config=case.config)
+    kw = {"softcap": case.softcap, "impl": case.impl, "config": case.config}
 
     def loss(h, w, labels, temp, min_logit):
         temp = 1.0 if temp is None else temp
@@ -201,7 +201,7 @@ def kernel_vmem(case: Case, devices) -> tuple[float, float, float]:
                 with jax.set_mesh(mesh):
                     jax.jit(run).lower(*kargs).compile()
                 break
-            except Exception as err:  # noqa: BLE001 - the compiler's size is the answer
+            except Exception as err:
                 found = _SIZE.search(str(err))
                 if found is None:
                     raise

@@ -55,8 +55,8 @@ def test_missing_config_file_is_one_line():
     out = _run("train.grpo", "--config=configs/no_such.py")
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "error: config file 'configs/no_such.py' does not exist (--config=PATH, e.g. "
-        "--config=configs/grpo_tiny.py)"]
+        ("error: config file 'configs/no_such.py' does not exist (--config=PATH, e.g. "
+        "--config=configs/grpo_tiny.py)")]
     missing = _run("train.sft")
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines() == [

@@ -66,7 +66,7 @@ def test_aggregation(mode):
 
 
 def test_clipped_surrogate_values_and_gradient():
-    _, mask, seq_j, seq = _random_batch(3)
+    _, mask, seq_j, _seq = _random_batch(3)
     rng = np.random.default_rng(3)
     old = jnp.asarray(-rng.random((3, 10)).astype(np.float32))
     logp = old + jnp.asarray(rng.normal(size=(3, 10)).astype(np.float32) * 0.4)
