@@ -6,7 +6,10 @@ ml_collections, as in the Flax examples).
   ``--help`` / ``--helpfull`` list the config's keys too and exit with status 0.
 * Errors are one line (or a list of valid keys) on stderr, no traceback: a config file
   that does not exist or a missing ``--config`` (status 2), an override of a key the
-  config does not have (status 2, with every valid key).
+  config does not have (status 2: the closest valid keys, every valid key, then the error
+  line again). A config whose values are wrong (an unknown task, a missing checkpoint
+  directory) is found when the run is built and exits with status 1
+  (``train.setup.start``).
 
 An entry point is ``main(argv)`` calling its trainer with ``config()``, started by
 ``run(main)``.
@@ -14,6 +17,7 @@ An entry point is ``main(argv)`` calling its trainer with ``config()``, started 
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
 import sys
@@ -94,7 +98,10 @@ def parse_flags(argv: list[str]) -> list[str]:
     if path is not None and not _file_exists(path):
         _fail(f"error: config file {path!r} does not exist (--config=PATH, e.g. "
               f"--config=configs/grpo_tiny.py)")
-    if any(a.split("=", 1)[0] in _HELP for a in argv[1:]):
+    wants_help = any(a.split("=", 1)[0] in _HELP for a in argv[1:])
+    if path is None and not wants_help:
+        _fail("error: --config=PATH is required, e.g. --config=configs/grpo_tiny.py")
+    if wants_help:
         try:
             flags.FLAGS(argv)
         except SystemExit:  # absl's help flags exit with status 1 after printing
@@ -120,8 +127,13 @@ def parse_flags(argv: list[str]) -> list[str]:
             if keys is not None:
                 unknown = [b for b in bad if b not in keys]
                 if unknown:
-                    msg = (f"error: unknown config key(s) {unknown} for {path}.\n"
-                           f"Valid keys:\n  " + "\n  ".join(keys))
+                    close = {b: difflib.get_close_matches(b, keys, n=3) for b in unknown}
+                    hint = "; ".join(f"{b!r}: did you mean {' or '.join(map(repr, c))}?"
+                                     for b, c in close.items() if c)
+                    line = (f"error: unknown config key(s) {unknown} for {path}"
+                            + (f" ({hint})" if hint else ""))
+                    # the error line last too: it stays on screen below the list
+                    msg = f"{line}\nValid keys:\n  " + "\n  ".join(keys) + f"\n{line}"
         _fail(msg)
     if _PRINT_CONFIG.value:
         print(resolved(config()))

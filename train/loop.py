@@ -114,6 +114,9 @@ class Loop:
         cfg, s, stage, placement = self.cfg, self.s, self.stage, self.s.placement
         done = self.finished_params()
         if done is not None:
+            if s.writer.enabled:
+                print(f"{stage.name}: finished earlier ({stage.steps} steps); using its final "
+                      f"checkpoint in {self.directory}", flush=True)
             return done
         check_resumable(self.directory, stage.steps)
         ckpt = self._checkpointer()

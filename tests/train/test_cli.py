@@ -60,4 +60,4 @@ def test_missing_config_file_is_one_line():
     missing = _run("train.sft")
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines() == [
-        "error: flag --config=None: Flag --config must have a value other than None."]
+        "error: --config=PATH is required, e.g. --config=configs/grpo_tiny.py"]

@@ -92,6 +92,13 @@ def test_two_grpo_steps_end_to_end(tmp_path, env):
     assert more.returncode == 1 and "Traceback" not in more.stderr
     assert more.stderr.startswith(f"error: {work / 'sft'} finished at step 2 and kept its "
                                   "final parameters only")
+    # rerunning the finished run trains nothing, says so, and writes no metrics line
+    again = subprocess.run(_cmd(work, "--config.loss.beta=0.01"), cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600, check=False)
+    assert again.returncode == 0, again.stderr[-3000:]
+    for stage in ("sft", "grpo"):
+        assert f"{stage}: finished earlier (2 steps); using its final checkpoint" in again.stdout
+    assert _records(work) == recs
 
 
 def test_sigkill_then_rerun_resumes_without_loss_or_duplicates(tmp_path, env):
@@ -137,7 +144,10 @@ def test_unknown_config_key_lists_valid_keys(tmp_path, env):
                          capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 2
     assert "unknown config key(s) ['optim.lr']" in out.stderr
+    first = out.stderr.strip().splitlines()[0]
+    assert "did you mean" in first and "'train.optim.lr'" in first  # the closest keys
     assert "train.optim.lr" in out.stderr and "loss.beta" in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: unknown config key(s)")
 
 
 @pytest.mark.parametrize("override, message", [
