@@ -30,8 +30,9 @@ is its dense emulation ("ragged (emulated)"), so only TPU-compiler rows compare 
 Prints one markdown table row per mesh and dispatch, with the seconds spent lowering and
 compiling, and a breakdown of each step's memory: parameters and Adam moments (the shards'
 exact sizes), what the forward saves for the backward (the residuals of the loss traced
-at one device's tokens, ``saved_residuals``, besides the arguments: activations, and
-compute-dtype copies of weights such as the head's ``[H, V]``; with remat and scan the
+unsharded at one device's tokens, ``saved_residuals``, besides the arguments; traced again
+at half the tokens, what grows is activations, per device; the rest compute-dtype copies
+of weights such as the head's ``[H, V]``, at full size; with remat and scan the
 activations are the ``[L, tokens, H]`` layer inputs) and the largest temporaries of the compiled
 program (per device, from the buffer assignment XLA dumps with ``xla_dump_to``).
 The preset's ``scan_layers`` is kept (on for Qwen3-30B-A3B); ``--no-scan`` unrolls the
@@ -105,7 +106,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
             "keep": jax.ShapeDtypeStruct((batch, seq), jnp.bool_),
             "advantages": jax.ShapeDtypeStruct((batch, seq), jnp.float32)}
 
-    def loss_fn(params, data, sharded=True):
+    def loss_fn(params, data, sharded=True, bucket=bucket):
         model = nnx.merge(graphdef, params)
         out = model(data["tokens"], data["positions"], data["segment_ids"])
         if sharded:
@@ -135,11 +136,19 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
         seconds = time.perf_counter() - start
         largest = largest_temporaries(_buffer_assignment(dump))
     mem = compiled.memory_analysis()
-    # activations are split over the batch axes: one device's rows, traced unsharded
-    local = {k: jax.ShapeDtypeStruct((max(batch // shards, 1), seq), v.dtype)
-             for k, v in data.items()}
-    saved, top_saved = saved_activation_bytes(
-        lambda p, d: loss_fn(p, d, sharded=False), params, local)
+    # activations are split over the batch axes: one device's rows, traced unsharded, at
+    # the step's tokens and at half of them; what grows with the tokens is activations,
+    # the rest compute-dtype weight copies (at full, unsharded size)
+    rows = max(batch // shards, 1)
+
+    def saved_at(tokens):
+        local = {k: jax.ShapeDtypeStruct((rows, tokens), v.dtype) for k, v in data.items()}
+        b = jaxhead.bucket_size(math.ceil(keep * rows * tokens), rows * tokens)
+        return saved_activation_bytes(
+            lambda p, d: loss_fn(p, d, sharded=False, bucket=b), params, local)
+
+    saved, top_saved = saved_at(seq)
+    activations = 2 * (saved - saved_at(seq // 2)[0])  # linear in the tokens
     param_bytes = _shard_bytes(params, p_shard)  # exact: the shards' sizes
     adam_bytes = _shard_bytes(opt, o_shard)
     peak = (mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
@@ -156,7 +165,8 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
         + (" (emulated)" if dispatch == "ragged" and topology is None else ""),
         "params": param_bytes / GIB, "adam": adam_bytes / GIB,
         "temp": mem.temp_size_in_bytes / GIB, "peak": peak / GIB, "compile": seconds,
-        "saved": saved / GIB, "largest_saved": top_saved,
+        "saved": activations / GIB, "weight_copies": (saved - activations) / GIB,
+        "largest_saved": top_saved,
         "largest": largest,
         # Mosaic kernels (TPU: the Pallas head's forward / dh / dW, splash attention's
         # forward / dq / dkv; one of each however many layers the scan runs)
@@ -276,10 +286,11 @@ def main(argv=None) -> None:
                   "{temp:.3g} | {peak:.3g} | {compile:.0f} | {target} | {dispatch} | {kernels} |"
                   .format(**row), flush=True)
             rows.append(row)
-    print("\n| preset | dispatch | saved for the backward GiB | largest saved | "
-          "largest temporaries of the compiled step (per device) |\n|---|---|---|---|---|")
+    print("\n| preset | dispatch | saved activations GiB | saved weight copies GiB "
+          "(unsharded) | largest saved | "
+          "largest temporaries of the compiled step (per device) |\n|---|---|---|---|---|---|")
     for row in rows:
-        print("| {preset} | {dispatch} | {saved:.3g} | {s} | {a} |".format(
+        print("| {preset} | {dispatch} | {saved:.3g} | {weight_copies:.3g} | {s} | {a} |".format(
             **row, s="; ".join(row["largest_saved"]), a="; ".join(row["largest"])))
 
 

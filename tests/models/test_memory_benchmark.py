@@ -28,9 +28,10 @@ def test_memory_benchmark_tiny():
     assert abs(adam - 2 * params) <= 1e-2 * adam and 0 < temp and peak >= params + adam
     rows = [line for line in breakdown.splitlines() if line.startswith("| tiny-moe")]
     assert len(rows) == 1, proc.stdout
-    _, dispatch, saved, largest_saved, largest = (
+    _, dispatch, saved, weights, largest_saved, largest = (
         c.strip() for c in rows[0].strip("|").split("|"))
     # one sequence of 32 tokens, width 64, 2 layers: at least the bf16 layer inputs are saved
     assert dispatch == "ragged (emulated)"
     assert 2 * 32 * 64 * 2 <= float(saved) * 2**30 < temp * 2**30
+    assert float(weights) > 0  # bf16 copies of the float32 weights
     assert largest_saved.count("MiB") == 3 and largest.count("MiB") == 3
