@@ -201,9 +201,9 @@ def largest_temporaries(buffer_assignment: str, count: int = 3) -> list[str]:
         m = _ALLOCATION.match(line)
         if m:
             kind = m.group(2)
-            temp = not any(k in kind for k in (
-                "parameter", "output shape", "constant", "thread-local", "color"))
-            temp = temp or ", color 0," in kind
+            color = re.search(r", color (\d+),", kind)
+            temp = (color is None or color.group(1) == "0") and not any(
+                k in kind for k in ("parameter", "output shape", "constant", "thread-local"))
             continue
         m = _VALUE.match(line)
         if temp and m:

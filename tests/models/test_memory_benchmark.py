@@ -35,3 +35,24 @@ def test_memory_benchmark_tiny():
     assert 2 * 32 * 64 * 2 <= float(saved) * 2**30 < temp * 2**30
     assert float(weights) > 0  # bf16 copies of the float32 weights
     assert largest_saved.count("MiB") == 3 and largest.count("MiB") == 3
+
+
+def test_largest_temporaries_reads_only_device_memory_temps():
+    """Parameters (even with ``color 0``), other memory spaces (TPU VMEM: ``color 1``) and
+    outputs are not temporaries; the rest are listed largest first."""
+    from benchmarks.memory import largest_temporaries
+
+    lines = [
+        "allocation 0: size 64, parameter 0, color 0, shape |f32[16]| at ShapeIndex {}:",
+        " value: <1 p @0> (size=64,offset=0): f32[16]{0}",
+        "allocation 1: size 1024, color 1, page 0, preallocated-temp:",
+        " value: <2 vmem @0> (size=1024,offset=0): f32[256]{0}",
+        "allocation 2: size 256, color 0, page 0, preallocated-temp:",
+        " value: <3 hbm @0> (size=256,offset=0): f32[64]{0}",
+        "allocation 3: size 512, page 0, preallocated-temp:",
+        " value: <4 plain @0> (size=512,offset=0): f32[128]{0}",
+        "allocation 4: size 2048, output shape is |f32[512]|, maybe-live-out:",
+        " value: <5 out @0> (size=2048,offset=0): f32[512]{0}",
+    ]
+    assert largest_temporaries("\n".join(lines)) == ["0.000488 MiB f32[128] (plain)",
+                                         "0.000244 MiB f32[64] (hbm)"]
