@@ -7,8 +7,8 @@ bf16 parameters and compute; the head accumulates in float32 (jaxhead); the MoE
 load-balancing loss is added with the checkpoint's ``router_aux_loss_coef``.
 
 Mesh: experts over ``expert=8``, the other devices on ``fsdp`` (ZeRO-3), e.g. 64 chips of a
-pod slice = fsdp=8 x expert=8; launch one process per host (README, "Training on several
-hosts").
+pod slice = fsdp=8 x expert=8; launch one process per host (docs/scale-out.md,
+"Training on several hosts").
 """
 
 from train.config import base_config

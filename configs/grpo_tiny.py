@@ -38,14 +38,14 @@ def get_config():
     c.train.row_len = 128
     c.train.row_multiple = 16
     c.train.bucket_multiple = 64  # ~380 kept tokens per step: rungs 384 / 512
-    c.train.optim.lr = 5e-5  # 1e-4 and more on the decoder: no gain or worse (README)
+    c.train.optim.lr = 5e-5  # 1e-4 and more on the decoder: no gain or worse (docs/training.md)
     # the final RMSNorm scale (the logit scale) learns 100x faster: GRPO's consistent
     # signal on it is "sharpen"; all other parameters keep the small rate
     c.train.optim.lr_multipliers = (("norm", 100.0),)
     c.train.optim.b2 = 0.999
     c.train.optim.warmup_steps = 5
     c.train.optim.decay = "constant"
-    c.loss.negative_weight = 0.5  # negative samples at half weight (README "Measured")
+    c.loss.negative_weight = 0.5  # negative samples at half weight (docs/training.md)
     c.rollout.prompts_per_step = 16
     c.rollout.group_size = 8
     c.rollout.max_new_tokens = 5

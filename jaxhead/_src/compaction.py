@@ -1,4 +1,5 @@
-"""Compaction of kept tokens into a static padded bucket, and expansion back (DESIGN.md 2, 5).
+"""Compaction of kept tokens into a static padded bucket, and expansion back
+(docs/design.md, steps 2 and 5).
 
 ``idx [B]`` lists the kept positions in order, then ``N`` (out of range) for padding
 slots; ``pos [N]`` is its inverse: the slot of each kept token, or ``B`` (out of range)

@@ -307,7 +307,7 @@ def test_grpo_learner_two_steps_same_metrics_as_tunix(monkeypatch):
 
 
 def test_compiled_temporaries_at_most_a_twentieth_of_tunix():
-    """``benchmarks/tunix_memory.py`` on a smaller shape than the README's (H = 4096,
+    """``benchmarks/tunix_memory.py`` on a smaller shape than docs/integrations.md's (H = 4096,
     V = 151936, 16,384 tokens: the same ratio holds there, 1/23 f32, 1/26 bf16)."""
     benchmark = _load(Path("benchmarks") / "tunix_memory.py")
     m = benchmark.measure(hidden=256, vocab=65536, batch=4, prompt=32, completion=1024,

@@ -9,7 +9,7 @@ picks it for a TPU mesh, and that a capacity factor shrinks its per-device tempo
 Not asserted: ragged below dense. For this layer alone (1024 tokens per chip, unsharded
 abstract inputs) the TPU compiler reported 1.0 MiB of temporaries for the dense path and
 16.7 MiB for the worst-case ragged one (libtpu 0.0.52); the whole train step's numbers
-are in the README (``benchmarks/memory.py --topology``).
+are in docs/scale-out.md (``benchmarks/memory.py --topology``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ that broadcasts against the tile: the combine and finalise steps are elementwise
 
 A row's logits are ``l = z * it`` with ``z = u`` or, with a soft-cap ``c``, ``z = c tanh(u/c)``
 (Gemma 2), ``u = h . w`` accumulated in float32 and ``it = 1 / temperature``. The online
-statistics of the columns seen so far (DESIGN.md, step 3) are kept as::
+statistics of the columns seen so far (docs/design.md, step 3) are kept as::
 
     m   = max_v z_v                                   (pre-temperature; -inf before any column)
     r   = s - 1,  s = sum_v exp(d_v),  d_v = (z_v - m) * it   (-1 before any column)

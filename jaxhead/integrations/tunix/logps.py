@@ -4,9 +4,10 @@ The head runs on the completion positions only: the hidden states of the positio
 predict a completion token (a static slice, ``[B, C, H]``) go to ``jaxhead.token_logprobs``
 with ``keep=None``, and the completion mask zeroes the result. Compacting through a traced
 ``keep`` with ``bucket = B * C`` instead (on the slice, or on the full ``[B, P + C, H]``
-states) computes the same rows and gave the same compiled temporaries at the README's shape
-(1.35 GiB f32, 1.22 GiB bf16: the slice costs nothing XLA does not already hold), so the
-plain slice is used; a smaller ``bucket`` (fewer kept tokens than ``B * C``) compacts.
+states) computes the same rows and gave the same compiled temporaries at the shape of
+docs/integrations.md (1.35 GiB f32, 1.22 GiB bf16: the slice costs nothing XLA does not
+already hold), so the plain slice is used; a smaller ``bucket`` (fewer kept tokens than
+``B * C``) compacts.
 """
 
 from __future__ import annotations
