@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # models, train: a checkout's
 import models
 from train import packing, rl_loss, state, steps
 from train.config import base_config

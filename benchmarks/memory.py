@@ -45,8 +45,12 @@ import argparse
 import math
 import os
 import re
+import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # models: a checkout's
 
 GIB = 2**30
 

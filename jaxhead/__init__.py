@@ -19,7 +19,10 @@ Public API (everything under ``jaxhead._src`` is private and may change):
   XlaConfig, XlaCpuConfig, PallasTpuConfig, PallasTritonConfig   their settings (``config=``)
   KernelUnsupported           raised when an explicit implementation cannot run a call
   pallas_interpret            run the Pallas kernels in interpret mode (tests, CPU)
+  __version__                 the package version (the wheel's and pyproject.toml's)
 """
+
+__version__ = "0.1.0"
 
 from jaxhead._src.buckets import bucket_ladder, bucket_size
 from jaxhead._src.head.api import IMPLEMENTATIONS, Impl, token_logprobs
