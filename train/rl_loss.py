@@ -28,6 +28,23 @@ Sources:
   Secretly Brings You Off-Policy RL Training", 2025; ``rollout_is`` in verl). Masked
   importance sampling: drop tokens whose ratio leaves a band instead (IcePop, inclusionAI's
   Ring-1T report, 2025, with the band [0.5, 5]).
+* Dual-clip: Ye et al., "Mastering Complex Control in MOBA Games with Deep Reinforcement
+  Learning", AAAI 2020 (arXiv:1912.09729), eq. 4, as verl's ``clip_ratio_c`` applies it
+  (``compute_policy_loss``: for a negative advantage the clipped loss is bounded by
+  ``-c A``, ``c > 1``): a token whose ratio is far above 1 with ``A < 0`` (the policy moved
+  towards a bad token since the rollout) no longer carries a gradient that grows with the
+  ratio (verl PR #784: one token with ratio 30 among 256 carried 10.5% of the gradient).
+* GSPO: Zheng et al., "Group Sequence Policy Optimization", 2025 (arXiv:2507.18071):
+  the importance ratio of a completion is the geometric mean of its token ratios,
+  ``s_i = exp(mean_t log(pi(y_t) / pi_old(y_t)))``, clipped per sequence (eq. 7), in the
+  token form of its eq. 13 (``GSPO-token``, Tunix's ``loss_algo="gspo-token"``):
+  ``s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)]``, equal to ``s_i`` in value, whose
+  gradient is ``s_i`` times the token's.
+* Split batches: a batch whose loss is summed over parts (the micro-batches of gradient
+  accumulation) must normalise each part by the whole batch's token / sequence count, not
+  its own: a mean of per-part means weighs a token by the inverse of its part's size, so
+  the gradient depends on how the batch was split (verl issue #5625, torchtitan issue
+  #2206). ``LossNorm`` carries the whole batch's counts.
 """
 
 from __future__ import annotations
@@ -42,6 +59,32 @@ import numpy as np
 ADVANTAGES = ("grpo", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+RATIO_LEVELS = ("token", "sequence")
+
+
+class LossNorm(NamedTuple):
+    """The denominators of a batch's loss when the batch is split into parts whose losses
+    are added (the micro-batches of one optimizer step): each part then gives its share of
+    the whole batch's loss and metrics, and the shares add up to the unsplit values for
+    every aggregation (module docstring, "Split batches"). A completion must lie in one
+    part (packing puts it in one row).
+
+    Attributes (float32 scalars, traced: one compile for every split):
+      tokens: completion tokens of the whole batch (``sum(mask)``).
+      seqs: its completions with at least one completion token.
+      num_seqs: its completions (``seq-mean-token-sum-norm``'s count).
+    """
+
+    tokens: jax.Array
+    seqs: jax.Array
+    num_seqs: jax.Array
+
+    @classmethod
+    def of(cls, mask: np.ndarray, seq_index: np.ndarray, num_seqs: int) -> LossNorm:
+        """The counts of a whole batch from its host arrays ``[R, L]``."""
+        scored = np.asarray(seq_index)[np.asarray(mask) > 0]
+        return cls(np.float32(scored.size), np.float32(np.unique(scored).size),
+                   np.float32(num_seqs))
 
 
 def _check(name, value, allowed):
@@ -112,7 +155,7 @@ def kl_estimate(logp: jax.Array, ref_logp: jax.Array, kind: str) -> jax.Array:
 
 
 def aggregate(per_token: jax.Array, mask: jax.Array, seq_index: jax.Array, num_seqs: int,
-              mode: str, max_completion_len: int) -> jax.Array:
+              mode: str, max_completion_len: int, norm: LossNorm | None = None) -> jax.Array:
     """Reduce a per-token loss ``[R, L]`` to a scalar.
 
     * ``token-mean``: ``sum(x m) / sum(m)``: every token of the batch weighs the same
@@ -125,19 +168,27 @@ def aggregate(per_token: jax.Array, mask: jax.Array, seq_index: jax.Array, num_s
     Args:
       per_token: float ``[R, L]``; mask: float ``[R, L]``; seq_index: int ``[R, L]`` in
       ``[-1, num_seqs)``; num_seqs, max_completion_len: static ints.
+      norm: this batch is a part of a larger one whose counts these are (``LossNorm``):
+        the result is this part's share of the larger batch's value. None: the batch alone.
     """
     _check("loss aggregation", mode, AGGREGATIONS)
     x = jnp.where(mask > 0, per_token * mask, 0.0)  # a NaN off the mask never gets in
     if mode == "token-mean":
-        return x.sum() / jnp.maximum(mask.sum(), 1.0)
+        return x.sum() / jnp.maximum(mask.sum() if norm is None else norm.tokens, 1.0)
     if mode == "seq-mean-token-sum-norm":
-        return x.sum() / (num_seqs * max_completion_len)
+        return x.sum() / ((num_seqs if norm is None else norm.num_seqs) * max_completion_len)
+    sums, counts = _per_sequence_sums(x, mask, seq_index, num_seqs)
+    present = counts > 0
+    per_seq = jnp.where(present, sums / jnp.maximum(counts, 1.0), 0.0)
+    return per_seq.sum() / jnp.maximum(present.sum() if norm is None else norm.seqs, 1)
+
+
+def _per_sequence_sums(x, mask, seq_index, num_seqs):
+    """``(sum of x, sum of mask)`` over each completion's positions, float32 ``[num_seqs]``."""
     ids = jnp.where(seq_index >= 0, seq_index, num_seqs).reshape(-1)
     sums = jax.ops.segment_sum(x.reshape(-1), ids, num_segments=num_seqs + 1)[:num_seqs]
     counts = jax.ops.segment_sum(mask.reshape(-1), ids, num_segments=num_seqs + 1)[:num_seqs]
-    present = counts > 0
-    per_seq = jnp.where(present, sums / jnp.maximum(counts, 1.0), 0.0)
-    return per_seq.sum() / jnp.maximum(present.sum(), 1)
+    return sums, counts
 
 
 class LossConfig(NamedTuple):
@@ -152,13 +203,17 @@ class LossConfig(NamedTuple):
       aggregation: one of ``AGGREGATIONS``.
       max_completion_len: the generation budget (``seq-mean-token-sum-norm``'s normaliser).
       tis_cap: > 0: truncated importance sampling (module docstring): the PPO ratio is taken
-        against the trainer's own (detached) log-probs and each token's term is weighted by
-        ``min(pi_trainer / pi_sampler, tis_cap)``; 0: off (the ratio is taken against the
-        sampler's log-probs, as in plain GRPO).
+        against the trainer's log-probs of the rollout policy and each token's term is
+        weighted by ``min(pi_trainer / pi_sampler, tis_cap)``; 0: off (the ratio is taken
+        against the sampler's log-probs, as in plain GRPO).
       mask_ratio_low, mask_ratio_high: > 0: tokens whose ``pi_trainer / pi_sampler`` is
         below ``mask_ratio_low`` or above ``mask_ratio_high`` are left out of the loss
         (masked importance sampling; the PPO ratio is then also taken against the trainer's
-        own log-probs); 0: no bound on that side.
+        log-probs); 0: no bound on that side.
+      clip_ratio_c: > 1: dual-clip (module docstring): with ``A < 0`` a token's loss is at
+        most ``-clip_ratio_c * A``; 0: off.
+      ratio_level: ``"token"``: each token's own ratio (PPO, GRPO); ``"sequence"``: GSPO's
+        geometric-mean ratio of the token's completion, in the token-gradient form.
     """
 
     eps_low: float = 0.2
@@ -171,19 +226,35 @@ class LossConfig(NamedTuple):
     tis_cap: float = 0.0
     mask_ratio_low: float = 0.0
     mask_ratio_high: float = 0.0
+    clip_ratio_c: float = 0.0
+    ratio_level: str = "token"
 
     @property
     def corrects_mismatch(self) -> bool:
         """Whether the sampler-trainer mismatch is corrected (TIS or ratio masking)."""
         return self.tis_cap > 0 or self.mask_ratio_low > 0 or self.mask_ratio_high > 0
 
+    def check(self) -> LossConfig:
+        """``self`` if its dual-clip and ratio settings are valid.
 
-def _behaviour(cfg: LossConfig, logp, sampler_logp, mask):
+        Raises:
+          ValueError: ``clip_ratio_c`` neither 0 nor > 1, or ``ratio_level`` not in
+            ``RATIO_LEVELS`` (the config key and the value named).
+        """
+        if not (self.clip_ratio_c == 0 or self.clip_ratio_c > 1):
+            raise ValueError(f"loss.clip_ratio_c must be 0 (off) or > 1, got "
+                             f"{self.clip_ratio_c!r}")
+        _check("loss.ratio_level", self.ratio_level, RATIO_LEVELS)
+        return self
+
+
+def _behaviour(cfg: LossConfig, logp, sampler_logp, trainer_logp, mask, total):
     """``(old_logp, weight, metrics)``: the log-probs the PPO ratio is taken against, the
     per-token weight of the surrogate (TIS cap, ratio mask) and their diagnostics."""
     if not cfg.corrects_mismatch:
-        return sampler_logp, mask, {}
-    old = jax.lax.stop_gradient(logp)  # the trainer's own recomputation of the rollout policy
+        return (sampler_logp if trainer_logp is None else trainer_logp), mask, {}
+    # the trainer's log-probs of the rollout policy: given, or this forward's own
+    old = jax.lax.stop_gradient(logp) if trainer_logp is None else trainer_logp
     log_is = jnp.where(mask > 0, old - sampler_logp, 0.0)
     is_ratio = jnp.exp(log_is)
     keep = mask > 0
@@ -192,34 +263,54 @@ def _behaviour(cfg: LossConfig, logp, sampler_logp, mask):
     if cfg.mask_ratio_high > 0:
         keep = keep & (is_ratio <= cfg.mask_ratio_high)
     weight = jnp.where(keep, 1.0, 0.0)
-    metrics = {"is_ratio_mean": _token_mean(is_ratio, mask),
-               "ratio_masked_fraction": _token_mean((mask > 0) & ~keep, mask)}
+    metrics = {"is_ratio_mean": _token_mean(is_ratio, mask, total),
+               "ratio_masked_fraction": _token_mean((mask > 0) & ~keep, mask, total)}
     if cfg.tis_cap > 0:
         weight = weight * jnp.minimum(is_ratio, cfg.tis_cap)
-        metrics["tis_capped_fraction"] = _token_mean(keep & (is_ratio > cfg.tis_cap), mask)
+        metrics["tis_capped_fraction"] = _token_mean(keep & (is_ratio > cfg.tis_cap), mask,
+                                                     total)
     return old, weight, metrics
 
 
-def _token_mean(x, mask):
-    """Mean of ``x`` over the tokens of ``mask`` (float32; nothing off the mask read)."""
-    total = jnp.sum(jnp.where(mask > 0, x, 0.0).astype(jnp.float32))
-    return total / jnp.maximum(mask.sum(), 1.0)
+def _token_mean(x, mask, total=None):
+    """Mean of ``x`` over the tokens of ``mask`` (float32; nothing off the mask read), or
+    with ``total`` (a larger batch's token count) this batch's share of that mean."""
+    s = jnp.sum(jnp.where(mask > 0, x, 0.0).astype(jnp.float32))
+    return s / jnp.maximum(mask.sum() if total is None else total, 1.0)
+
+
+def _log_ratio(cfg: LossConfig, logp, old_logp, mask, seq_index, num_seqs):
+    """``log`` of the PPO ratio per token: ``logp - old_logp``, or at the sequence level
+    (GSPO-token) ``logp - sg(logp) + sg(mean over the completion of logp - old_logp)``."""
+    log_ratio = logp - old_logp
+    if cfg.ratio_level == "token":
+        return log_ratio
+    sums, counts = _per_sequence_sums(jnp.where(mask > 0, log_ratio, 0.0), mask, seq_index,
+                                      num_seqs)
+    seq_mean = jnp.append(sums / jnp.maximum(counts, 1.0), 0.0)  # [num_seqs + 1]: 0 off
+    per_token = seq_mean[jnp.where(seq_index >= 0, seq_index, num_seqs)]
+    return logp - jax.lax.stop_gradient(logp) + jax.lax.stop_gradient(per_token)
 
 
 def grpo_loss(cfg: LossConfig, logp, old_logp, advantages, mask, seq_index, num_seqs,
-              ref_logp=None, entropy=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+              ref_logp=None, entropy=None, *, trainer_logp=None,
+              norm: LossNorm | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The clipped-surrogate GRPO loss and its diagnostics.
 
-    Per token, with ``ratio = exp(logp - old_logp)`` and advantage ``A`` (the
-    completion's, broadcast to its tokens)::
+    Per token, with the PPO ratio ``rho`` (below) and advantage ``A`` (the completion's,
+    broadcast to its tokens)::
 
-        pg = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
+        pg = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)
+        pg = min(pg, -clip_ratio_c * A)  where A < 0   (dual-clip, when on)
         loss_t = w * pg + beta * KL_k(pi || pi_ref) - entropy_coef * entropy
 
-    aggregated by ``cfg.aggregation``; ``w = 1``, or with a mismatch correction
-    (``cfg.tis_cap``, ``cfg.mask_ratio_*``) the importance weight of the token and the
-    ratio taken against the trainer's own detached ``logp``. Values at positions whose
-    mask is 0 (NaN or inf included) never reach the loss, its gradient or a metric.
+    aggregated by ``cfg.aggregation``. ``rho = exp(logp - a)`` (``ratio_level="token"``)
+    or GSPO-token's ``exp(logp - sg(logp) + sg(mean_{t in seq} (logp_t - a_t)))``
+    (``"sequence"``) against the anchor ``a``: ``trainer_logp`` if given, else the
+    sampler's ``old_logp``, or with a mismatch correction (``cfg.tis_cap``,
+    ``cfg.mask_ratio_*``) the trainer's own detached ``logp``. ``w = 1``, or with a
+    correction the token's importance weight from ``a / old_logp``. Values at positions
+    whose mask is 0 (NaN or inf included) never reach the loss, its gradient or a metric.
 
     Args:
       cfg: ``LossConfig``.
@@ -230,50 +321,79 @@ def grpo_loss(cfg: LossConfig, logp, old_logp, advantages, mask, seq_index, num_
       mask: float32 ``[R, L]``; seq_index: int32 ``[R, L]``; num_seqs: static int.
       ref_logp: float32 ``[R, L]`` reference log-probs (needed iff ``beta > 0``).
       entropy: float32 ``[R, L]`` (needed iff ``entropy_coef != 0``; also reported).
+      trainer_logp: float32 ``[R, L]``, the trainer's log-probs of the rollout policy
+        (constant): the old policy of the PPO ratio when several updates use one rollout
+        (``train.updates``); a NaN entry (not known yet) stands for this forward's own
+        detached log-prob; None: as above.
+      norm: the counts of the whole batch this one is a part of (``LossNorm``): the loss
+        and the mean metrics are then this part's shares, which add up over the parts.
 
     Returns:
       ``(loss, metrics)``; metrics are float32 scalars: ``pg_loss``, ``kl``,
-      ``clip_fraction`` (tokens whose clipped term was active), ``ratio_mean``,
-      ``entropy`` (token mean), ``approx_kl_old`` (k3 of the old vs current policy), and
-      with a mismatch correction ``is_ratio_mean``, ``ratio_masked_fraction``,
+      ``clip_fraction`` (tokens whose clipped term was active), ``clip_fraction_low`` /
+      ``clip_fraction_high`` (of those, ``A < 0`` with ``rho < 1 - eps_low`` / ``A > 0``
+      with ``rho > 1 + eps_high``), with dual-clip ``clip_fraction_dual`` (``A < 0`` with
+      ``rho > clip_ratio_c``), ``ratio_mean``, ``ratio_max`` (of ``rho``), ``entropy``
+      (token mean), ``approx_kl_old`` (k3 of the anchor vs the current policy), and with
+      a mismatch correction ``is_ratio_mean``, ``ratio_masked_fraction``,
       ``tis_capped_fraction``.
 
     Raises:
-      ValueError: ``beta > 0`` without ``ref_logp``; ``entropy_coef`` without ``entropy``.
+      ValueError: ``beta > 0`` without ``ref_logp``; ``entropy_coef`` without ``entropy``;
+        an invalid ``cfg`` (``LossConfig.check``).
     """
+    cfg.check()
     if cfg.beta > 0 and ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp")
     if cfg.entropy_coef and entropy is None:
         raise ValueError("entropy_coef != 0 needs entropy")
+    total = None if norm is None else norm.tokens
 
     def on_mask(x):
         return None if x is None else jnp.where(mask > 0, x, 0.0)
 
     def agg(x):
         return aggregate(x, mask, seq_index, num_seqs, cfg.aggregation,
-                         cfg.max_completion_len)
+                         cfg.max_completion_len, norm)
+
+    def mean(x):
+        return _token_mean(x, mask, total)
 
     logp, advantages, entropy = on_mask(logp), on_mask(advantages), on_mask(entropy)
     sampler_logp = jax.lax.stop_gradient(on_mask(old_logp))
-    old_logp, weight, metrics = _behaviour(cfg, logp, sampler_logp, mask)
-    ratio = jnp.exp(logp - old_logp)
+    if trainer_logp is not None:  # NaN: not known yet, this forward's own
+        trainer_logp = on_mask(trainer_logp)
+        trainer_logp = jax.lax.stop_gradient(
+            jnp.where(jnp.isnan(trainer_logp), logp, trainer_logp))
+    old_logp, weight, metrics = _behaviour(cfg, logp, sampler_logp, trainer_logp, mask, total)
+    ratio = jnp.exp(_log_ratio(cfg, logp, old_logp, mask, seq_index, num_seqs))
     clipped = jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     unclipped_term, clipped_term = ratio * advantages, clipped * advantages
-    pg = -jnp.minimum(unclipped_term, clipped_term) * weight
+    pg = -jnp.minimum(unclipped_term, clipped_term)
+    clip_active = clipped_term < unclipped_term
+    if cfg.clip_ratio_c > 0:
+        bound = -cfg.clip_ratio_c * advantages
+        dual = (advantages < 0) & (pg > bound)
+        pg = jnp.where(advantages < 0, jnp.minimum(pg, bound), pg)
+        metrics["clip_fraction_dual"] = mean(dual)
+    pg = pg * weight
     per_token = pg
     metrics.update({
         "pg_loss": agg(pg),
-        "clip_fraction": _token_mean(clipped_term < unclipped_term, mask),
-        "ratio_mean": _token_mean(jnp.exp(logp - sampler_logp), mask),
-        "approx_kl_old": _token_mean(kl_estimate(logp, sampler_logp, "k3"), mask),
+        "clip_fraction": mean(clip_active),
+        "clip_fraction_low": mean(clip_active & (advantages < 0)),
+        "clip_fraction_high": mean(clip_active & (advantages > 0)),
+        "ratio_mean": mean(ratio),
+        "ratio_max": jnp.max(jnp.where(mask > 0, ratio, 0.0)),
+        "approx_kl_old": mean(kl_estimate(logp, old_logp, "k3")),
     })
     if ref_logp is not None:
         kl = kl_estimate(logp, jax.lax.stop_gradient(on_mask(ref_logp)), cfg.kl_estimator)
-        metrics["kl"] = _token_mean(kl, mask)
+        metrics["kl"] = mean(kl)
         if cfg.beta > 0:
             per_token = per_token + cfg.beta * kl
     if entropy is not None:
-        metrics["entropy"] = _token_mean(entropy, mask)
+        metrics["entropy"] = mean(entropy)
         if cfg.entropy_coef:
             per_token = per_token - cfg.entropy_coef * entropy
     loss = agg(per_token)
