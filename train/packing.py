@@ -65,6 +65,45 @@ class PackedBatch:
         are multiples of ``multiple`` (a coarser ladder compiles fewer step variants)."""
         return jaxhead.bucket_size(self.num_kept, self.loss_mask.size, multiple=multiple)
 
+    def rows(self, start: int, stop: int) -> PackedBatch:
+        """Rows ``start:stop`` as a batch (its sequence numbering kept: ``num_seqs`` and
+        ``seq_index`` as in the whole batch)."""
+        cut = slice(start, stop)
+        return dataclasses.replace(
+            self, **{k: getattr(self, k)[cut] for k in BATCH_KEYS},
+            values={k: v[cut] for k, v in self.values.items()})
+
+    def _scored(self) -> tuple[np.ndarray, np.ndarray]:
+        """Flat positions of the completion tokens grouped by sequence (each in token
+        order) and the count per sequence."""
+        flat = self.seq_index.reshape(-1)
+        where = np.flatnonzero(flat >= 0)
+        where = where[np.argsort(flat[where], kind="stable")]
+        return where, np.bincount(flat[where], minlength=self.num_seqs)
+
+    def per_sequence(self, x: np.ndarray) -> list[np.ndarray]:
+        """The per-completion-token values of an array ``[rows, row_len]`` aligned like
+        ``loss_mask``, one array per sequence (the inverse of ``place``)."""
+        where, counts = self._scored()
+        return np.split(np.asarray(x).reshape(-1)[where], np.cumsum(counts)[:-1])
+
+    def place(self, per_seq: Sequence[np.ndarray]) -> np.ndarray:
+        """float32 ``[rows, row_len]`` with sequence ``k``'s values where ``loss_mask``
+        marks its completion tokens (0 elsewhere), as ``pack``'s ``values``.
+
+        Raises:
+          ValueError: the number of sequences or of a sequence's values does not match.
+        """
+        where, counts = self._scored()
+        lengths = [len(v) for v in per_seq]
+        if lengths != counts.tolist():
+            raise ValueError(f"values for {len(lengths)} sequences of lengths {lengths}; "
+                             f"the batch has {self.num_seqs} of {counts.tolist()}")
+        out = np.zeros(self.loss_mask.size, np.float32)
+        if where.size:
+            out[where] = np.concatenate(per_seq)
+        return out.reshape(self.loss_mask.shape)
+
 
 def assign_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
     """First-fit decreasing: sequence indices per row, each row's total ``<= row_len``.
