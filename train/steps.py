@@ -125,27 +125,83 @@ def reference_logprobs(mdef: ModelDef, placement: Placement | None = None, *,
 
 def grpo_loss_fn(mdef: ModelDef, loss_cfg: rl_loss.LossConfig, temperature: float,
                  skip: bool, frozen: tuple[str, ...] = ()):
-    """``(params, batch, ref_logp, num_seqs, bucket) -> (loss, (metrics, logp))``, the
-    differentiable GRPO objective on a packed batch whose values hold ``old_logp`` and
-    ``advantages`` (``train.rl_loss.grpo_loss`` plus the MoE load-balancing loss)."""
+    """``(params, batch, ref_logp, num_seqs, bucket, norm=None, parts=1) -> (loss,
+    (metrics, logp))``, the differentiable GRPO objective on a packed batch whose values
+    hold ``old_logp`` (the sampler's), ``advantages`` and optionally ``trainer_logp``
+    (``train.rl_loss.grpo_loss`` plus the MoE load-balancing loss). ``norm``
+    (``rl_loss.LossNorm``) and ``parts``: the batch is one of ``parts`` micro-batches of
+    a mini-batch with these counts; the load-balancing loss of each enters with weight
+    ``1 / parts``."""
 
-    def loss_fn(params, b, ref_logp, num_seqs, bucket):
+    def loss_fn(params, b, ref_logp, num_seqs, bucket, norm=None, parts=1):
         head, aux = _policy(mdef, params, b, skip=skip, bucket=bucket,
                             temperature=temperature, with_entropy=True, frozen=frozen)
         loss, metrics = rl_loss.grpo_loss(
             loss_cfg, head.logprobs, b["old_logp"], b["advantages"], b["loss_mask"],
-            b["seq_index"], num_seqs, ref_logp=ref_logp, entropy=head.entropy)
-        return loss + _aux_weight(mdef) * aux, (metrics, head.logprobs)
+            b["seq_index"], num_seqs, ref_logp=ref_logp, entropy=head.entropy,
+            trainer_logp=b.get("trainer_logp"), norm=norm)
+        aux_weight = _aux_weight(mdef) if parts == 1 else _aux_weight(mdef) / parts
+        return loss + aux_weight * aux, (metrics, head.logprobs)
 
     return loss_fn
 
 
+def _gap_metrics(logp, b, norm=None) -> dict:
+    """``|logp_trainer - logp_sampler|`` on the completion tokens: mean (with ``norm``: this
+    micro-batch's share of the mini-batch's mean) and max."""
+    mask = b["loss_mask"]
+    gap = jnp.abs(logp - b["old_logp"]) * mask
+    total = mask.sum() if norm is None else norm.tokens
+    return {"logprob_diff_mean": gap.sum() / jnp.maximum(total, 1.0),
+            "logprob_diff_max": gap.max()}
+
+
+def _combine(total: dict, part: dict) -> dict:
+    """Metrics of micro-batches added up: ``*_max`` by maximum, the rest (shares of the
+    mini-batch's means and losses) by sum."""
+    return {k: jnp.maximum(total[k], v) if k.endswith("_max") else total[k] + v
+            for k, v in part.items()}
+
+
+def _accumulate(loss_fn, params, batches, refs, norm, num_seqs, bucket):
+    """``(grads, metrics, logps)`` of micro-batches ``batches`` (a tuple of packed batches
+    with the same shapes): their gradients summed in float32 over a ``lax.scan`` (one
+    micro-batch's activations live at a time), each normalised over the whole mini-batch
+    (``norm``), so the sum is the mini-batch's gradient whatever the split."""
+    parts = len(batches)
+    xs = (jax.tree.map(lambda *x: jnp.stack(x), *batches),
+          None if refs is None else jnp.stack(refs))
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def part(params, b, ref):
+        (loss, (metrics, logp)), grads = grad_fn(params, b, ref, num_seqs, bucket, norm, parts)
+        return grads, {**metrics, "loss": loss, **_gap_metrics(logp, b, norm)}, logp
+
+    def body(carry, x):
+        grads, metrics, logp = part(params, *x)
+        acc, total = carry
+        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+        return (acc, _combine(total, metrics)), logp
+
+    shapes = jax.eval_shape(part, params, *jax.tree.map(lambda x: x[0], xs))
+    init = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), shapes[:2])
+    (acc, metrics), logps = jax.lax.scan(body, init, xs)
+    grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+    return grads, metrics, tuple(logps[i] for i in range(parts))
+
+
 def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_loss.LossConfig,
               placement: Placement | None = None, *, temperature: float, skip: bool = True,
-              frozen: tuple[str, ...] = ()):
-    """Jitted ``(params, opt_state, batch, ref_logp | None, num_seqs, bucket) ->
-    (params, opt_state, metrics)``; ``num_seqs`` and ``bucket`` are static, ``params``
-    and ``opt_state`` donated.
+              frozen: tuple[str, ...] = (), return_logp: bool = False):
+    """Jitted ``(params, opt_state, batch, ref_logp | None, num_seqs, bucket, norm=None) ->
+    (params, opt_state, metrics)`` (with ``return_logp`` also the trainer's log-probs of
+    the batch before the update, as ``batch``'s ``loss_mask``); ``num_seqs`` and
+    ``bucket`` are static, ``params`` and ``opt_state`` donated. One optimizer step.
+
+    ``batch`` is one packed batch (``ref_logp`` an array or None), or gradient
+    accumulation: a tuple of micro-batches of one shape (``ref_logp`` a tuple too, or
+    None) with ``norm``, the ``rl_loss.LossNorm`` of the mini-batch they split: the
+    gradient and the metrics are the mini-batch's, whatever the split (``_accumulate``).
 
     Besides ``grpo_loss``'s metrics: ``loss``, ``grad_norm`` and the sampler-vs-trainer
     log-prob gap on the completion tokens before the update (``logprob_diff_mean``,
@@ -156,16 +212,20 @@ def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_los
     """
     loss_fn = grpo_loss_fn(mdef, loss_cfg, temperature, skip, frozen)
 
-    def step(params, opt_state, b, ref_logp, num_seqs, bucket):
-        (loss, (metrics, logp)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, b, ref_logp, num_seqs, bucket)
+    def step(params, opt_state, b, ref_logp, num_seqs, bucket, norm=None):
+        if isinstance(b, dict):
+            (loss, (metrics, logp)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                params, b, ref_logp, num_seqs, bucket)
+            metrics = {**metrics, "loss": loss, **_gap_metrics(logp, b)}
+        else:
+            grads, metrics, logp = _accumulate(loss_fn, params, b, ref_logp, norm, num_seqs,
+                                               bucket)
         params, opt_state, gnorm = _apply(tx, params, opt_state, grads)
-        mask = b["loss_mask"]
-        gap = jnp.abs(logp - b["old_logp"]) * mask
-        metrics = {**metrics, "loss": loss, "grad_norm": gnorm,
-                   "logprob_diff_mean": gap.sum() / jnp.maximum(mask.sum(), 1.0),
-                   "logprob_diff_max": gap.max()}
-        return params, opt_state, metrics
+        metrics = {**metrics, "grad_norm": gnorm}
+        return (params, opt_state, metrics) + ((logp,) if return_logp else ())
 
-    return _jit(step, placement, lambda: placement.update_shardings(tx),
-                static_argnames=("num_seqs", "bucket"), donate_argnums=(0, 1))
+    def out_shardings():
+        return placement.update_shardings(tx) + ((placement.batch,) if return_logp else ())
+
+    return _jit(step, placement, out_shardings, static_argnames=("num_seqs", "bucket"),
+                donate_argnums=(0, 1))
