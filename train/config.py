@@ -111,6 +111,11 @@ def base_config() -> ConfigDict:
         # sampler-trainer mismatch corrections (train.rl_loss): 0 = off
         "tis_cap": 0.0,         # truncated importance sampling cap C
         "mask_ratio_low": 0.0, "mask_ratio_high": 0.0,  # drop tokens whose ratio leaves the band
+        # the PPO ratio's old policy (train.updates): sampler (the rollout's log-probs) |
+        # trainer (one forward on the kept tokens before the first update)
+        "old_logprobs": "sampler",
+        "clip_ratio_c": 0.0,    # dual-clip bound for negative advantages (> 1; 0 = off)
+        "ratio_level": "token",  # token | sequence (GSPO's geometric-mean ratio per completion)
     })
 
     c.train = ConfigDict({
@@ -119,6 +124,12 @@ def base_config() -> ConfigDict:
         "row_multiple": 4,      # the number of rows is rounded up to a multiple of this
         "bucket_multiple": 128,  # head bucket ladder: rungs are multiples of this
         "skip_unkept": True,    # jaxhead on kept tokens only; False: every token (A/B)
+        # optimizer updates per rollout batch (train.updates): epochs over it (GRPO's mu),
+        # each split into mini_batches (whole groups; must divide rollout.prompts_per_step),
+        # each update's gradient accumulated over micro_batches (row slices)
+        "updates_per_batch": 1,
+        "mini_batches": 1,
+        "micro_batches": 1,
         "log_every": 1,
         "optim": _optim(1e-4, 10),
     })

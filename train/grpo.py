@@ -10,7 +10,8 @@ One run, in ``cfg.workdir``:
    sampled with the KV cache (jaxhead's chunked Gumbel-max, sampler log-probs recorded;
    on a mesh each data-parallel group decodes its own rows, ``train.rollout``),
    rewards from the task's ``score_answer``, group advantages, packed rows, the frozen
-   reference's log-probs when ``loss.beta > 0``, one clipped-surrogate update; metrics
+   reference's log-probs when ``loss.beta > 0``, the clipped-surrogate updates
+   (``train.updates``: one by default; epochs, mini-batches, micro-batches); metrics
    every step, checkpoints every ``checkpoint.every`` steps and at the end
    (``train.loop``);
 4. held-out evaluation of the final policy and the before/after table.
@@ -27,9 +28,9 @@ import time
 import jax
 import numpy as np
 
-from train import cli, evaluate, packing, rl_loss, rollout, setup, steps
+from train import cli, evaluate, rl_loss, rollout, setup, steps, updates
 from train.loop import Loop, Stage
-from train.metrics import peak_flops, train_step_flops
+from train.metrics import peak_flops, reduce_updates, train_step_flops
 from train.placement import place_batch
 from train.sft import run_sft
 from train.state import Params
@@ -43,12 +44,18 @@ def stage(cfg) -> Stage:
 
 
 def loss_config(cfg) -> rl_loss.LossConfig:
+    """The ``rl_loss.LossConfig`` of ``cfg.loss``.
+
+    Raises:
+      ValueError: see ``rl_loss.LossConfig.check``.
+    """
     c = cfg.loss
     return rl_loss.LossConfig(
         eps_low=c.eps_low, eps_high=c.eps_high, beta=c.beta, kl_estimator=c.kl_estimator,
         entropy_coef=c.entropy_coef, aggregation=c.aggregation,
         max_completion_len=cfg.rollout.max_new_tokens, tis_cap=c.tis_cap,
-        mask_ratio_low=c.mask_ratio_low, mask_ratio_high=c.mask_ratio_high)
+        mask_ratio_low=c.mask_ratio_low, mask_ratio_high=c.mask_ratio_high,
+        clip_ratio_c=c.clip_ratio_c, ratio_level=c.ratio_level).check()
 
 
 #: ``loss.logprob_support`` values: score a truncated rollout's tokens on the support they
@@ -100,13 +107,13 @@ def score(cfg, s: setup.Setup, problems, ro: rollout.Rollout) -> tuple[np.ndarra
     return np.reshape(rewards, shape), np.reshape(correct, shape)
 
 
-def pack_rollout(cfg, problems, ro: rollout.Rollout, advantages: np.ndarray,
-                 row_multiple: int) -> packing.PackedBatch:
-    """Pack prompt + completion per row of the rollout with the sampler log-probs
+def rollout_sequences(cfg, problems, ro: rollout.Rollout,
+                      advantages: np.ndarray) -> updates.Sequences:
+    """Prompt + completion of every row of the rollout with the sampler log-probs
     (``old_logp``), the completion's advantage on each of its tokens and, when scored on
     the sampler's support (``scored_on_sampler_support``), each token's ``min_logit``;
     with ``loss.logprob_support == "full"`` ``old_logp`` is the full-softmax log-prob
-    (``logprobs + logmass``). The row count is a multiple of ``row_multiple``."""
+    (``logprobs + logmass``)."""
     g = cfg.rollout.group_size
     n = len(problems) * g
     comps = [ro.completion(i) for i in range(n)]
@@ -121,8 +128,7 @@ def pack_rollout(cfg, problems, ro: rollout.Rollout, advantages: np.ndarray,
               "advantages": [np.full(len(c), adv[i], np.float32) for i, c in enumerate(comps)]}
     if on_support:
         values["min_logit"] = per_token(ro.min_logit)
-    return packing.pack([problems[i // g].prompt for i in range(n)], comps, cfg.train.row_len,
-                        row_multiple=row_multiple, values=values)
+    return updates.Sequences([problems[i // g].prompt for i in range(n)], comps, values, g)
 
 
 def truncated_mass_mean(ro: rollout.Rollout) -> float:
@@ -132,37 +138,37 @@ def truncated_mass_mean(ro: rollout.Rollout) -> float:
     return float(-np.expm1(ro.logmass[live]).mean()) if live.any() else 0.0
 
 
-def grpo_metrics(m: dict, rewards: np.ndarray, correct: np.ndarray, ro: rollout.Rollout,
-                 packed: packing.PackedBatch, *, bucket: int, skip: bool, times: dict,
-                 flops: float, peak: float) -> dict:
+def grpo_metrics(report: updates.StepReport, rewards: np.ndarray, correct: np.ndarray,
+                 ro: rollout.Rollout, *, epochs: int, times: dict, flops: float,
+                 peak: float) -> dict:
     """The metrics line of one GRPO step (besides the loop's ``lr``, ``skipped_prompts``,
     ``peak_memory_bytes``).
 
     Args:
-      m: the step's metrics (``train.steps.grpo_step``: loss, KL, clip fraction, ...).
+      report: the step's updates (``train.updates.StepReport``: loss, KL, clip fractions,
+        ... per update, reduced by ``train.metrics.reduce_updates``; the batches' sizes).
       rewards, correct: ``[P, G]`` (``score``).
-      ro, packed: the rollout and its packed batch.
-      bucket: the head's bucket (with ``skip``; else the head ran on every position).
+      ro: the rollout.
+      epochs: passes over the rollout (``train.updates_per_batch``).
       times: seconds of ``rollout`` (sampling and scoring), ``reference`` (advantages,
-        packing and the reference forward), ``train`` (the update).
-      flops: model FLOPs of the update (``train.metrics.train_step_flops``).
+        packing and the forwards before the first update), ``train`` (the updates).
+      flops: model FLOPs of the updates (``train.metrics.train_step_flops`` per epoch).
       peak: peak FLOP/s of the local devices.
     """
-    total = packed.loss_mask.size
-    real = int(np.count_nonzero(packed.segment_ids))
-    head_tokens = bucket if skip else total
+    total = report.positions
     seconds = sum(times.values())
     return {
-        **{k: float(v) for k, v in m.items()},
+        **reduce_updates(report.updates),
         "reward_mean": rewards.mean(), "reward_std": rewards.std(),
         "accuracy": correct.mean(),
         "zero_std_group_fraction": float(np.mean(rewards.std(axis=1) == 0)),
         "completion_length_mean": float(ro.lengths.mean()),
         "completion_length_max": float(ro.lengths.max()),
         "stop_fraction": float(ro.stopped.mean()),
-        "lm_head_token_fraction": packed.num_kept / total,
-        "lm_head_bucket_fraction": head_tokens / total,
-        "tokens_per_s": real / seconds, "train_tokens_per_s": real / times["train"],
+        "lm_head_token_fraction": report.kept / total,
+        "lm_head_bucket_fraction": report.head_tokens / total,
+        "tokens_per_s": report.real / seconds,
+        "train_tokens_per_s": report.real * epochs / times["train"],
         "mfu": flops / times["train"] / peak,
         "time_rollout_s": times["rollout"], "time_reference_s": times["reference"],
         "time_train_s": times["train"], "sampling_path": ro.path,
@@ -172,32 +178,36 @@ def grpo_metrics(m: dict, rewards: np.ndarray, correct: np.ndarray, ro: rollout.
 
 class GRPOIteration:
     """One GRPO step (a ``train.loop.Iteration``), with the jitted functions it owns for
-    the whole run: the sampler, the reference forward and the update.
+    the whole run: the sampler and the updates (``train.updates.Updater``: the update
+    step and the forward of the reference and of the old policy).
 
     Args:
       cfg, s: the run's config and setup.
       loop: the stage's loop (its optimiser builds the update).
       generate: the run's sampler (``generator(cfg, s, truncation(cfg))``).
       ref_params: the frozen reference policy (needed when ``loss.beta > 0``).
+
+    Raises:
+      ValueError: a bad ``train.updates_per_batch`` / ``mini_batches`` / ``micro_batches``
+        or ``loss.old_logprobs`` (``train.updates.Schedule.from_config``), or loss setting
+        (``loss_config``).
     """
 
     def __init__(self, cfg, s: setup.Setup, loop: Loop, generate: rollout.Generator,
                  ref_params: Params | None):
         self.cfg, self.s, self.generate, self.ref_params = cfg, s, generate, ref_params
-        self.loss = loss_config(cfg)
+        self.schedule = updates.Schedule.from_config(cfg)
         self.skip = cfg.train.skip_unkept
-        t = cfg.rollout.temperature
-        self.values = ("old_logp", "advantages") + (
-            ("min_logit",) if scored_on_sampler_support(cfg) else ())
-        self.reference = steps.reference_logprobs(s.mdef, s.placement, temperature=t,
-                                                  skip=self.skip)
-        self.update = steps.grpo_step(s.mdef, loop.tx, self.loss, s.placement, temperature=t,
-                                      skip=self.skip, frozen=loop.frozen)
-        self.row_multiple = s.placement.row_multiple(cfg.train.row_multiple)
+        self.updater = updates.Updater(
+            s.mdef, loop.tx, loss_config(cfg), s.placement, self.schedule,
+            temperature=cfg.rollout.temperature, skip=self.skip, frozen=loop.frozen,
+            row_len=cfg.train.row_len,
+            row_multiple=s.placement.row_multiple(cfg.train.row_multiple),
+            bucket_multiple=cfg.train.bucket_multiple)
         self.peak = peak_flops(cfg.metrics.peak_flops)
 
     def __call__(self, params, opt_state, problems, key, step):
-        cfg, s, placement = self.cfg, self.s, self.s.placement
+        cfg, s = self.cfg, self.s
         t0 = time.perf_counter()
         # 1. rollout: G completions per prompt from the current policy
         prompts = [p.prompt for p in problems for _ in range(cfg.rollout.group_size)]
@@ -208,28 +218,20 @@ class GRPOIteration:
         # 3. advantage within each group
         adv = rl_loss.group_advantages(rewards, cfg.loss.advantage,
                                         negative_weight=cfg.loss.negative_weight)
-        # 4. pack prompt + completion rows with old log-probs and advantages
-        packed = pack_rollout(cfg, problems, ro, adv, self.row_multiple)
-        b = place_batch(packed.arrays(*self.values), placement.mesh)
-        bucket = placement.bucket(packed, cfg.train.bucket_multiple) if self.skip else 0
-        # 5. reference log-probs (KL penalty only)
-        ref = None
-        if self.loss.beta > 0:
-            ref = jax.block_until_ready(self.reference(self.ref_params, b, bucket))
+        seqs = rollout_sequences(cfg, problems, ro, adv)
         t2 = time.perf_counter()
-        # 6. one clipped-surrogate update
-        params, opt_state, m = self.update(params, opt_state, b, ref, packed.num_seqs, bucket)
-        m = jax.device_get(m)  # waits for the update
-        t3 = time.perf_counter()
+        # 4. packed mini-batches, the reference's (loss.beta > 0) and the old policy's
+        # log-probs, the clipped-surrogate updates
+        params, opt_state, report = self.updater(params, opt_state, seqs, key,
+                                                 self.ref_params)
 
         def metrics():
-            real = int(np.count_nonzero(packed.segment_ids))
-            flops = train_step_flops(s.mdef.cfg, real,
-                                     bucket if self.skip else packed.loss_mask.size,
-                                     context=real / max(packed.num_seqs, 1) / 2)
-            return grpo_metrics(m, rewards, correct, ro, packed, bucket=bucket, skip=self.skip,
-                                times={"rollout": t1 - t0, "reference": t2 - t1,
-                                       "train": t3 - t2},
+            epochs = self.schedule.epochs
+            flops = epochs * train_step_flops(s.mdef.cfg, report.real, report.head_tokens,
+                                              context=report.real / len(seqs.prompts) / 2)
+            times = {"rollout": t1 - t0, "reference": t2 - t1 + report.seconds["reference"],
+                     "train": report.seconds["train"]}
+            return grpo_metrics(report, rewards, correct, ro, epochs=epochs, times=times,
                                 flops=flops, peak=self.peak)
 
         return params, opt_state, metrics
@@ -298,7 +300,7 @@ def _summary(res: evaluate.EvalResult, n: int, label: str) -> str:
 def train(cfg, config_file: str | None = None) -> None:
     """``python -m train.grpo``: warm start, evaluation, GRPO, evaluation, report."""
     t_start = time.perf_counter()
-    s = setup.start(cfg)
+    s = setup.start(cfg, checks=(loss_config, updates.Schedule.from_config))
     if s.writer.enabled:
         print(setup.banner(cfg, s, "train.grpo", config_file), flush=True)
     if cfg.sft.steps > 0 and not cfg.init.sft_checkpoint:

@@ -77,6 +77,28 @@ class MetricsWriter:
             self._tb.close()
 
 
+#: Diagnostics a step with several updates also writes per update, as
+#: ``<name>/<epoch>.<mini-batch>`` (``reduce_updates``).
+PER_UPDATE = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "clip_fraction_dual",
+              "approx_kl_old", "ratio_mean", "ratio_max", "logprob_diff_mean", "grad_norm")
+
+
+def reduce_updates(updates: list[tuple[tuple[int, int], dict]]) -> dict[str, float]:
+    """The metrics of a step's updates (``train.updates.StepReport.updates``) as one line:
+    each metric's mean over the updates (``*_max``: their maximum), and with several
+    updates each ``PER_UPDATE`` diagnostic of each update as ``<name>/<epoch>.<mini>``
+    (e.g. ``clip_fraction/2.1``: the first mini-batch of the second epoch), as verl and
+    TRL report the clip fractions, the KL to the old policy and the ratio per update."""
+    line = {}
+    for name in updates[0][1]:
+        values = [float(m[name]) for _, m in updates]
+        line[name] = max(values) if name.endswith("_max") else sum(values) / len(values)
+    if len(updates) > 1:
+        for (epoch, mini), m in updates:
+            line.update({f"{k}/{epoch}.{mini}": float(m[k]) for k in PER_UPDATE if k in m})
+    return line
+
+
 def peak_memory_bytes() -> int:
     """Peak memory: the largest ``peak_bytes_in_use`` of the local accelerators, or on
     CPU (no allocator statistics) the process's peak resident set size."""

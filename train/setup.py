@@ -109,13 +109,17 @@ def build(cfg) -> Setup:
                  hf_params, placement, writer)
 
 
-def start(cfg) -> Setup:
+def start(cfg, checks=()) -> Setup:
     """The preamble of both entry points: ``jax.distributed`` when the run spans several
-    processes (before any other JAX call), then ``build``; a bad config (unknown task,
-    missing checkpoint directory, a mesh that does not fit the devices, ...) exits with
-    status 1 and a one-line ``error: ...`` on stderr instead of a traceback."""
+    processes (before any other JAX call), ``checks`` (callables of ``cfg`` that raise
+    ``ValueError`` on a bad value of the entry point's own keys), then ``build``; a bad
+    config (unknown task, missing checkpoint directory, a mesh that does not fit the
+    devices, ...) exits with status 1 and a one-line ``error: ...`` on stderr instead of a
+    traceback."""
     distributed.initialize(cfg)
     try:
+        for check in checks:
+            check(cfg)
         return build(cfg)
     except (ValueError, FileNotFoundError) as err:  # models.CheckpointError is a ValueError
         print(f"error: {err}", file=sys.stderr)
