@@ -3,6 +3,8 @@ direct numpy formulas on random data."""
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -188,3 +190,208 @@ def test_truncated_importance_sampling_and_ratio_masking():
             capped = (m & ~masked & (is_ratio > cfg.tis_cap)).sum() / m.sum()
             assert abs(float(metrics["tis_capped_fraction"]) - capped) < 1e-6
         assert 0 < masked.sum() < m.sum() or not cfg.mask_ratio_low  # the band does bite
+
+
+def _packed_batch(seed, rows=6, row_len=24, seqs_per_row=3):
+    """Random per-token inputs of a packed batch: several completions per row (lengths
+    1..7, gaps of prompt / padding between them), ratios exp(N(0, 0.5)) around 1."""
+    rng = np.random.default_rng(seed)
+    seq = np.full((rows, row_len), -1)
+    n = 0
+    for r in range(rows):
+        start = int(rng.integers(0, 3))
+        for _ in range(seqs_per_row):
+            length = int(rng.integers(1, 8))
+            if start + length > row_len:
+                break
+            seq[r, start:start + length] = n
+            n, start = n + 1, start + length + int(rng.integers(1, 4))
+    mask = (seq >= 0).astype(np.float32)
+    adv_seq = rng.normal(size=n)
+    adv = np.where(seq >= 0, adv_seq[np.maximum(seq, 0)], 0.0)
+    sampler = -rng.uniform(0.2, 4.0, seq.shape)
+    logp = sampler + rng.normal(0.0, 0.5, seq.shape)
+    trainer = sampler + rng.normal(0.0, 0.1, seq.shape)
+    f32 = {k: jnp.asarray(v, jnp.float32) for k, v in
+           {"logp": logp, "sampler": sampler, "trainer": trainer, "adv": adv,
+            "mask": mask}.items()}
+    return f32, jnp.asarray(seq, jnp.int32), n
+
+
+SPLIT_CONFIGS = [
+    rl_loss.LossConfig(aggregation=mode, eps_high=0.28, beta=0.04, entropy_coef=0.01,
+                       max_completion_len=7, **extra)
+    for mode in rl_loss.AGGREGATIONS
+    for extra in ({}, {"tis_cap": 1.5, "mask_ratio_high": 4.0, "clip_ratio_c": 3.0},
+                  {"ratio_level": "sequence"})]
+
+
+@pytest.mark.parametrize("cfg", SPLIT_CONFIGS, ids=lambda c: f"{c.aggregation}-"
+                         f"{'tis-dual' if c.tis_cap else c.ratio_level}")
+def test_split_batch_gives_the_whole_batch_loss_and_gradient(cfg):
+    """A batch split by rows into 2 or 3 parts of unequal token counts, each normalised by
+    the whole batch's counts (``LossNorm``): the parts' losses, gradients and mean metrics
+    add up to the whole batch's (max metrics by maximum) to <= 1e-6 in float32, for every
+    aggregation, with the mismatch correction, dual-clip and GSPO. The mean of per-part
+    means (the fault this replaces) is off by far more."""
+    x, seq, n = _packed_batch(11)
+    ref, ent = x["sampler"] - 0.3, jnp.abs(x["logp"])
+
+    def loss(lp, rows, norm):  # the part: the rows in ``rows`` (the others masked out)
+        mask = x["mask"] * rows[:, None]
+        return rl_loss.grpo_loss(cfg, lp, x["sampler"], x["adv"], mask, seq, n, ref_logp=ref,
+                                 entropy=ent, trainer_logp=x["trainer"], norm=norm)
+
+    grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    (whole, m_whole), g_whole = grad(x["logp"], jnp.ones(6), None)
+    norm = rl_loss.LossNorm.of(np.asarray(x["mask"]), np.asarray(seq), n)
+    for cuts in ((0, 2, 6), (0, 1, 3, 6)):
+        rows = [jnp.asarray((np.arange(6) >= a) & (np.arange(6) < b), jnp.float32)
+                for a, b in itertools.pairwise(cuts)]
+        parts = [grad(x["logp"], r, norm) for r in rows]
+        total = sum(float(v) for (v, _), _ in parts)
+        assert abs(total - float(whole)) <= 1e-6 * abs(float(whole)), (cuts, total, whole)
+        g = sum(np.asarray(gp, np.float64) for _, gp in parts)
+        scale = np.abs(np.asarray(g_whole)).max()
+        assert np.abs(g - np.asarray(g_whole)).max() <= 1e-6 * scale, cuts
+        for k, v in m_whole.items():
+            got = [float(m[k]) for (_, m), _ in parts]
+            got = max(got) if k.endswith("_max") else sum(got)
+            assert abs(got - float(v)) <= 1e-6 * max(abs(float(v)), 1e-3), (k, got, v)
+        naive = np.mean([float(grad(x["logp"], r, None)[0][0]) for r in rows])
+        assert abs(naive - float(whole)) > 1e-3 * abs(float(whole)), (cuts, naive)
+
+
+def _reference64(x, seq, n, cfg):
+    """float64 GRPO policy loss written per sequence from the sources' formulas (GSPO eqs.
+    5-7 / 13, the dual-clip bound as verl applies it), differentiable in ``logp``."""
+
+    def loss(lp):
+        m, a = x["mask"], x["adv"]
+        anchor = x["sampler"] if "trainer" not in x else x["trainer"]
+        if cfg.ratio_level == "token":
+            log_r = lp - anchor
+        else:
+            s = jnp.zeros_like(lp)
+            for k in range(n):
+                on = (seq == k) & (m > 0)
+                mean = jnp.sum(jnp.where(on, lp - anchor, 0.0)) / jnp.sum(on)
+                s = jnp.where(on, jax.lax.stop_gradient(mean), s)
+            log_r = lp - jax.lax.stop_gradient(lp) + s
+        r = jnp.exp(log_r)
+        pg = -jnp.minimum(r * a, jnp.clip(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * a)
+        if cfg.clip_ratio_c:
+            pg = jnp.where(a < 0, jnp.minimum(pg, -cfg.clip_ratio_c * a), pg)
+        pg = jnp.where(m > 0, pg, 0.0)
+        if cfg.aggregation == "token-mean":
+            return pg.sum() / m.sum()
+        per_seq = [pg[seq == k].sum() / m[seq == k].sum() for k in range(n)]
+        return sum(per_seq) / n
+
+    return loss
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("variant", ["dual-clip", "gspo", "gspo-dual-clip-trainer"])
+def test_dual_clip_and_gspo_against_float64(aggregation, variant):
+    """Loss and gradient of dual-clip and of GSPO's sequence ratio (with dual-clip and the
+    trainer's log-probs as the old policy) against the float64 formulas: <= 1e-6; the
+    metrics of the clipped regions against their definitions."""
+    x, seq, n = _packed_batch(3)
+    x = dict(x)
+    # ratios spread widely, per token and per completion: some far above the dual-clip bound
+    rng = np.random.default_rng(4)
+    shift = rng.normal(0, 1.2, n + 1)[np.asarray(seq)] + rng.normal(0, 0.3, seq.shape)
+    x["logp"] = x["sampler"] + jnp.asarray(shift, jnp.float32)
+    cfg = rl_loss.LossConfig(eps_low=0.2, eps_high=0.28, aggregation=aggregation,
+                             clip_ratio_c=0.0 if variant == "gspo" else 3.0,
+                             ratio_level="token" if variant == "dual-clip" else "sequence")
+    trainer = x.pop("trainer")
+    trainer = trainer if variant.endswith("trainer") else None
+    (value, metrics), grad = jax.jit(jax.value_and_grad(
+        lambda lp: rl_loss.grpo_loss(cfg, lp, x["sampler"], x["adv"], x["mask"], seq, n,
+                                     trainer_logp=trainer), has_aux=True))(x["logp"])
+    with jax.enable_x64(True):
+        x64 = {k: jnp.asarray(np.asarray(v, np.float64)) for k, v in x.items()}
+        if trainer is not None:
+            x64["trainer"] = jnp.asarray(np.asarray(trainer, np.float64))
+        want, want_grad = jax.jit(jax.value_and_grad(
+            _reference64(x64, np.asarray(seq), n, cfg)))(x64["logp"])
+        want, want_grad = float(want), np.asarray(want_grad)
+    assert abs(float(value) - want) <= 1e-6 * abs(want), (float(value), want)
+    assert np.abs(np.asarray(grad, np.float64) - want_grad).max() <= (
+        1e-6 * np.abs(want_grad).max())
+    # the clipped regions, from the float64 ratio
+    anchor = np.asarray(x["sampler"] if trainer is None else trainer, np.float64)
+    lr = np.asarray(x["logp"], np.float64) - anchor
+    m, a, s = np.asarray(x["mask"]) > 0, np.asarray(x["adv"]), np.asarray(seq)
+    if cfg.ratio_level == "sequence":
+        means = {k: lr[s == k].mean() for k in range(n)}
+        lr = np.where(m, np.vectorize(lambda k: means.get(k, 0.0))(s), 0.0)
+    r = np.exp(lr)
+    low, high = m & (a < 0) & (r < 0.8), m & (a > 0) & (r > 1.28)
+    assert low.any() and high.any()
+    np.testing.assert_allclose(float(metrics["clip_fraction_low"]), low.sum() / m.sum(),
+                               rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["clip_fraction_high"]), high.sum() / m.sum(),
+                               rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["ratio_max"]), r[m].max(), rtol=1e-5)
+    if cfg.clip_ratio_c:
+        dual = m & (a < 0) & (r > 3.0)
+        assert dual.any()
+        np.testing.assert_allclose(float(metrics["clip_fraction_dual"]),
+                                   dual.sum() / m.sum(), rtol=1e-6)
+        assert np.all(np.asarray(grad)[dual] == 0)  # bounded: no gradient
+
+
+def test_dual_clip_bounds_one_far_off_policy_token():
+    """verl PR #784's case: one token with ratio 30 and advantage -1 among 256 tokens of
+    ratio ~1 and |A| = 1 carries ~10.5% of the gradient (token-mean); dual-clip with c = 3
+    (verl's default) takes it to 0 and leaves the other tokens' gradients as they were."""
+    rng = np.random.default_rng(0)
+    sampler = jnp.asarray(-rng.uniform(1, 3, (1, 256)), jnp.float32)
+    logp = sampler + jnp.asarray(rng.normal(0, 0.01, (1, 256)), jnp.float32)
+    logp = logp.at[0, 7].set(sampler[0, 7] + np.log(30.0))
+    adv = jnp.asarray(rng.choice([-1.0, 1.0], (1, 256)), jnp.float32).at[0, 7].set(-1.0)
+    mask, seq = jnp.ones((1, 256)), jnp.zeros((1, 256), jnp.int32)
+    shares = {}
+    for c in (0.0, 3.0):
+        cfg = rl_loss.LossConfig(clip_ratio_c=c)
+        g = np.abs(np.asarray(jax.jit(jax.grad(lambda lp, cfg=cfg: rl_loss.grpo_loss(
+            cfg, lp, sampler, adv, mask, seq, 1)[0]))(logp)))
+        shares[c] = (g[0, 7] / g.sum(), np.delete(g, 7))
+    assert 0.10 <= shares[0.0][0] <= 0.11, shares[0.0][0]
+    assert shares[3.0][0] == 0 and np.array_equal(shares[3.0][1], shares[0.0][1])
+
+
+def test_trainer_logprobs_anchor_the_ratio():
+    """``trainer_logp``: the PPO ratio is taken against it (with and without a mismatch
+    correction, whose weights then come from it); a NaN entry stands for the forward's own
+    log-prob (ratio exactly 1 there)."""
+    x, seq, n = _packed_batch(8)
+    m = np.asarray(x["mask"]) > 0
+    r = np.exp(np.asarray(x["logp"], np.float64) - np.asarray(x["trainer"], np.float64))
+    for cfg in (rl_loss.LossConfig(), rl_loss.LossConfig(tis_cap=2.0)):
+        _, metrics = rl_loss.grpo_loss(cfg, x["logp"], x["sampler"], x["adv"], x["mask"],
+                                       seq, n, trainer_logp=x["trainer"])
+        np.testing.assert_allclose(float(metrics["ratio_mean"]), r[m].mean(), rtol=1e-6)
+    unknown = jnp.where(jnp.arange(24) < 12, jnp.nan, x["trainer"])
+    cfg = rl_loss.LossConfig(tis_cap=2.0)
+    _, metrics = rl_loss.grpo_loss(cfg, x["logp"], x["sampler"], x["adv"], x["mask"], seq, n,
+                                   trainer_logp=unknown)
+    want = np.where(np.arange(24) < 12, 1.0, r)[m].mean()
+    np.testing.assert_allclose(float(metrics["ratio_mean"]), want, rtol=1e-6)
+    is_ratio = np.exp(np.where(np.arange(24) < 12, np.asarray(x["logp"], np.float64),
+                               np.asarray(x["trainer"], np.float64))
+                      - np.asarray(x["sampler"], np.float64))
+    np.testing.assert_allclose(float(metrics["is_ratio_mean"]), is_ratio[m].mean(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("clip_ratio_c", 0.5, "loss.clip_ratio_c must be 0 \\(off\\) or > 1, got 0.5"),
+    ("clip_ratio_c", 1.0, "got 1.0"),
+    ("ratio_level", "seq", "loss.ratio_level must be one of .*'seq'"),
+])
+def test_bad_dual_clip_or_ratio_level_is_named(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        rl_loss.LossConfig(**{field: value}).check()
