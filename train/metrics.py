@@ -80,7 +80,8 @@ class MetricsWriter:
 #: Diagnostics a step with several updates also writes per update, as
 #: ``<name>/<epoch>.<mini-batch>`` (``reduce_updates``).
 PER_UPDATE = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "clip_fraction_dual",
-              "approx_kl_old", "ratio_mean", "ratio_max", "logprob_diff_mean", "grad_norm")
+              "approx_kl_old", "ratio_mean", "ratio_max", "logprob_diff_mean",
+              "logprob_diff_max", "grad_norm")
 
 
 def reduce_updates(updates: list[tuple[tuple[int, int], dict]]) -> dict[str, float]:

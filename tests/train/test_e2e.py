@@ -52,8 +52,11 @@ def _complete_checkpoints(directory):
 
 def test_two_grpo_steps_end_to_end(tmp_path, env):
     work = tmp_path / "run"
-    # beta > 0: the reference forward and the KL metric run too
-    out = subprocess.run(_cmd(work, "--config.loss.beta=0.01"), cwd=ROOT, env=env,
+    # beta > 0: the reference forward and the KL metric run too; 2 epochs x 2 mini-batches
+    # with the trainer's old log-probs: 4 updates per step, reported one by one
+    updates = ("--config.loss.beta=0.01", "--config.train.updates_per_batch=2",
+               "--config.train.mini_batches=2", "--config.loss.old_logprobs=trainer")
+    out = subprocess.run(_cmd(work, *updates), cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "before GRPO: 16 held-out problems" in out.stdout
@@ -65,8 +68,12 @@ def test_two_grpo_steps_end_to_end(tmp_path, env):
     for r in train:
         assert TRAIN_KEYS <= set(r), TRAIN_KEYS - set(r)
         assert 0 < r["lm_head_token_fraction"] < 0.5
-        assert r["logprob_diff_max"] <= 1e-4
+        assert r["logprob_diff_max/1.1"] <= 1e-4  # before the first update: the sampler's
         assert r["sampling_path"] == "chunked_gumbel_max"
+        per_update = {f"{k}/{e}.{m}" for k in ("clip_fraction", "ratio_max", "approx_kl_old")
+                      for e in (1, 2) for m in (1, 2)}
+        assert per_update <= set(r), per_update - set(r)
+        assert abs(r["ratio_max/1.1"] - 1) <= 1e-4  # before any update: the trainer's own
     assert {r["kind"] for r in recs} == {"sft", "eval_before", "train", "eval_after"}
     assert _complete_checkpoints(work / "grpo")[-1] == 2
     assert (work / "tb").is_dir()
@@ -93,7 +100,7 @@ def test_two_grpo_steps_end_to_end(tmp_path, env):
     assert more.stderr.startswith(f"error: {work / 'sft'} finished at step 2 and kept its "
                                   "final parameters only")
     # rerunning the finished run trains nothing, says so, and writes no metrics line
-    again = subprocess.run(_cmd(work, "--config.loss.beta=0.01"), cwd=ROOT, env=env,
+    again = subprocess.run(_cmd(work, *updates), cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=600, check=False)
     assert again.returncode == 0, again.stderr[-3000:]
     for stage in ("sft", "grpo"):

@@ -12,9 +12,10 @@ import pytest
 
 import jaxhead
 from configs import grpo_micro
-from train import grpo, packing, rl_loss, setup
+from models.mesh import make_mesh
+from train import grpo, packing, rl_loss, setup, steps, updates
 from train.loop import Loop
-from train.placement import place_batch
+from train.placement import Placement, place_batch
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +101,192 @@ def test_one_update_per_batch_is_the_plain_grpo_step(run):
         assert not np.array_equal(a, np.asarray(params[name])), name  # the step moved it
     for a, b in zip(jax.tree.leaves(got_opt), jax.tree.leaves(want_opt), strict=True):
         assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-7
+
+
+# -- the updates on a tiny random decoder -----------------------------------------------
+
+P, G, STOP = 8, 4, 7
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny decoder, its rollout of ``P`` groups of ``G`` (sampler log-probs recorded)
+    and group advantages: ``(mdef, params, Sequences)``."""
+    from models import get_config
+    from tests.support.models import random_model
+    from train import rollout
+    from train.state import ModelDef, params_of
+
+    cfg = get_config("tiny", dtype="float32")
+    mdef, params = ModelDef.of(cfg), params_of(random_model(cfg, seed=4))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, 500, rng.integers(3, 12)).tolist() for _ in range(P)]
+    prompts = [p for p in prompts for _ in range(G)]
+    gen = rollout.Generator(mdef, max_new_tokens=8, stop_ids=(STOP,), num_valid=500)
+    ro = gen(params, prompts, jax.random.key(3), temperature=1.0)
+    comps = [ro.completion(i) for i in range(P * G)]
+    adv = rl_loss.group_advantages(rng.random((P, G))).reshape(-1)
+    values = {"old_logp": [ro.logprobs[i, :len(c)] for i, c in enumerate(comps)],
+              "advantages": [np.full(len(c), adv[i], np.float32) for i, c in enumerate(comps)]}
+    return mdef, params, updates.Sequences(prompts, comps, values, G)
+
+
+def _updater(tiny, tx, schedule, **loss):
+    mdef = tiny[0]
+    placement = Placement(make_mesh({"data": 1}, devices=jax.devices()[:1]), mdef)
+    lcfg = rl_loss.LossConfig(eps_low=0.2, eps_high=0.28, max_completion_len=8, **loss)
+    return updates.Updater(mdef, tx, lcfg, placement, schedule, temperature=1.0, skip=True,
+                           frozen=(), row_len=32, row_multiple=2, bucket_multiple=16)
+
+
+def test_mini_batches_keep_groups_whole_and_reshuffle_every_epoch():
+    sched = updates.Schedule(epochs=3, mini_batches=4)
+    groups = sched.mini_batch_groups(12, jax.random.key(0))
+    assert [len(e) for e in groups] == [4, 4, 4]
+    for epoch in groups:
+        assert sorted(np.concatenate(epoch).tolist()) == list(range(12))
+        assert all(len(m) == 3 and np.all(np.diff(m) > 0) for m in epoch)
+    partitions = [{tuple(m) for m in epoch} for epoch in groups]
+    assert partitions[0] != partitions[1] != partitions[2]
+    again = sched.mini_batch_groups(12, jax.random.key(0))  # the key decides
+    assert [[m.tolist() for m in e] for e in again] == [[m.tolist() for m in e] for e in groups]
+    seqs = updates.Sequences([[1]] * 6, [[2]] * 6, {}, 3)
+    assert seqs.members(np.array([1])).tolist() == [3, 4, 5]
+    one = updates.Schedule(epochs=2).mini_batch_groups(5, jax.random.key(0))
+    assert [m.tolist() for e in one for m in e] == [list(range(5))] * 2  # never shuffled
+
+
+def _gradient_as_state():
+    """An optax transformation that applies no update and keeps the gradient as its state."""
+    return optax.GradientTransformation(
+        lambda p: jax.tree.map(jnp.zeros_like, p),
+        lambda g, state, params=None: (jax.tree.map(jnp.zeros_like, g), g))
+
+
+@pytest.mark.parametrize("aggregation", [
+    "seq-mean-token-mean",
+    *(pytest.param(a, marks=pytest.mark.slow) for a in ("token-mean",
+                                                        "seq-mean-token-sum-norm"))])
+def test_micro_batch_gradient_does_not_depend_on_the_split(tiny, aggregation):
+    """One packed mini-batch as 1 or 4 micro-batches (unequal token counts) through the
+    model, with the KL penalty, the entropy bonus, dual-clip and TIS on: the same loss and
+    metrics to <= 1e-6 and the same gradient to float32's noise, 8e-7 relative norm-wise
+    (bound 2e-6; <= 1e-5 per parameter). That noise is the model's: XLA:CPU's float32
+    forward of the same rows in a batch of another size differs by ~1e-6 in log-prob. The
+    normalisation itself is exact to 1e-6 per element for every aggregation in
+    ``test_rl_loss.py``; the other two aggregations run here with ``-m slow``."""
+    mdef, params, seqs = tiny
+    ids = np.arange(24)
+    rows = -(-seqs.rows_needed(ids, 32) // 4) * 4
+    packed = seqs.pack(ids, 32, rows)
+    lcfg = rl_loss.LossConfig(eps_low=0.2, eps_high=0.28, beta=0.04, entropy_coef=0.01,
+                              clip_ratio_c=3.0, tis_cap=2.0, aggregation=aggregation,
+                              max_completion_len=8)
+    step = steps.grpo_step(mdef, _gradient_as_state(), lcfg, temperature=1.0)
+    forward = steps.reference_logprobs(mdef, temperature=1.0)
+    # the old policy's log-probs away from the current ones: clipped tokens on both sides
+    noise = np.random.default_rng(1).normal(0, 0.5, packed.loss_mask.shape)
+    packed.values["trainer_logp"] = (packed.values["old_logp"] + noise) * packed.loss_mask
+    norm = rl_loss.LossNorm.of(packed.loss_mask, packed.seq_index, packed.num_seqs)
+    out = {}
+    for parts in (1, 4):
+        r = rows // parts
+        pieces = [packed.rows(u * r, (u + 1) * r) for u in range(parts)]
+        batches = [place_batch(x.arrays(*x.values)) for x in pieces]
+        bucket = max(x.bucket(16) for x in pieces)
+        refs = [forward(params, b, bucket) - 0.1 for b in batches]
+        args = ((batches[0], refs[0]) if parts == 1 else (tuple(batches), tuple(refs)))
+        _, grads, metrics = step(_copy(params), jax.tree.map(jnp.zeros_like, params), *args,
+                                 packed.num_seqs, bucket, None if parts == 1 else norm)
+        out[parts] = (grads, metrics)
+    (grads1, m1), (grads, m) = out[1], out[4]
+    a, b = ({k: np.asarray(g[k], np.float64).ravel() for k in grads1} for g in (grads, grads1))
+    leaf = {k: np.linalg.norm(a[k] - b[k]) / np.linalg.norm(b[k]) for k in b}
+    whole = np.linalg.norm(np.concatenate([a[k] - b[k] for k in b])) / np.linalg.norm(
+        np.concatenate(list(b.values())))
+    assert whole <= 2e-6 and max(leaf.values()) <= 1e-5, (whole, leaf)  # 8e-7, 1.1e-6
+    for k in m1:
+        assert abs(float(m[k]) - float(m1[k])) <= 1e-6 * max(abs(float(m1[k])), 1.0), (
+            k, float(m[k]), float(m1[k]))
+    assert float(m1["clip_fraction"]) > 0 and float(m1["kl"]) > 0
+
+
+def _lr(opt_state, value):
+    """``opt_state`` of ``optax.inject_hyperparams`` with its learning rate set."""
+    opt_state.hyperparams["learning_rate"] = jnp.asarray(value, jnp.float32)
+    return opt_state
+
+
+def test_two_epochs_of_mini_and_micro_batches_on_one_compile(tiny):
+    """2 epochs x 2 mini-batches x 2 micro-batches, old log-probs from the trainer, a KL
+    penalty to the start policy: one compiled update and one compiled forward serve all
+    4 updates and both forwards (8 micro-batches each). With learning rate 0 every
+    update's ratio is 1 and the KL 0 (the carried log-probs sit on their tokens in every
+    reshuffled packing); with a large one the first update's ratio is 1 and unclipped,
+    the second epoch's differ from 1 and clip."""
+    mdef, params, seqs = tiny
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=0.0)
+    up = _updater(tiny, tx, updates.Schedule(2, 2, 2, "trainer"), beta=0.04)
+    key = jax.random.key(1)
+    runs = {}
+    for lr in (0.0, 3e-2):
+        opt = _lr(tx.init(params), lr)
+        _, _, report = up(_copy(params), opt, seqs, key, ref_params=params)
+        runs[lr] = dict(report.updates)
+    assert list(runs[0.0]) == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert up.step._cache_size() == 1 and up.forward._cache_size() == 1
+    assert report.rows % 4 == 0 and report.bucket % 16 == 0
+    for m in runs[0.0].values():
+        assert abs(m["ratio_mean"] - 1) <= 1e-5 and m["ratio_max"] <= 1 + 1e-5, m
+        assert m["kl"] <= 1e-6 and m["clip_fraction"] == 0 and m["grad_norm"] > 0
+    first, later = runs[3e-2][(1, 1)], [runs[3e-2][(2, m)] for m in (1, 2)]
+    assert abs(first["ratio_max"] - 1) <= 1e-5 and first["clip_fraction"] == 0
+    for m in later:
+        assert abs(m["ratio_mean"] - 1) > 1e-3 and m["approx_kl_old"] > 1e-4, m
+        assert m["clip_fraction"] > 0 and m["clip_fraction"] == pytest.approx(
+            m["clip_fraction_low"] + m["clip_fraction_high"])
+
+
+def test_sampler_logprobs_with_tis_anchor_each_token_at_its_first_update(tiny):
+    """``loss.old_logprobs="sampler"`` with TIS over 2 epochs: no extra forward; the
+    trainer's log-probs of a token come from the first update that sees it (ratio exactly
+    1 there) and anchor its later ones (ratio 1 with learning rate 0, away from 1 after
+    updates)."""
+    mdef, params, seqs = tiny
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=0.0)
+    up = _updater(tiny, tx, updates.Schedule(2, 2, 1, "sampler"), tis_cap=2.0)
+    runs = {}
+    for lr in (0.0, 3e-2):
+        _, _, report = up(_copy(params), _lr(tx.init(params), lr), seqs, jax.random.key(2))
+        runs[lr] = dict(report.updates)
+    assert up.forward._cache_size() == 0 and up.step._cache_size() == 1
+    for m in runs[0.0].values():
+        assert abs(m["ratio_mean"] - 1) <= 1e-6 and m["ratio_max"] <= 1 + 1e-5, m
+    for mini in (1, 2):
+        assert runs[3e-2][(1, mini)]["ratio_mean"] == 1.0  # first visits
+        assert abs(runs[3e-2][(2, mini)]["ratio_mean"] - 1) > 1e-3
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"train.mini_batches": 3}, "train.mini_batches=3 must divide rollout.prompts_per_step=2"),
+    ({"train.updates_per_batch": 0}, "train.updates_per_batch must be a positive integer, "
+                                     "got 0"),
+    ({"train.micro_batches": -2}, "train.micro_batches must be a positive integer, got -2"),
+    ({"loss.old_logprobs": "rollout"}, "loss.old_logprobs must be one of .*'rollout'"),
+    ({"loss.clip_ratio_c": 0.9}, "loss.clip_ratio_c must be 0 \\(off\\) or > 1, got 0.9"),
+    ({"loss.ratio_level": "seq"}, "loss.ratio_level must be one of"),
+])
+def test_bad_update_settings_stop_before_any_work(tmp_path, capsys, override, message):
+    import re
+
+    cfg = grpo_micro.get_config()
+    cfg.workdir = str(tmp_path / "w")
+    for key, value in override.items():
+        section, name = key.split(".")
+        cfg[section][name] = value
+    with pytest.raises(SystemExit) as exc:
+        grpo.train(cfg)
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and re.search(message, err), err
+    assert not (tmp_path / "w").exists()
