@@ -224,7 +224,7 @@ def test_two_epochs_of_mini_and_micro_batches_on_one_compile(tiny):
     update's ratio is 1 and the KL 0 (the carried log-probs sit on their tokens in every
     reshuffled packing); with a large one the first update's ratio is 1 and unclipped,
     the second epoch's differ from 1 and clip."""
-    mdef, params, seqs = tiny
+    _, params, seqs = tiny
     tx = optax.inject_hyperparams(optax.adam)(learning_rate=0.0)
     up = _updater(tiny, tx, updates.Schedule(2, 2, 2, "trainer"), beta=0.04)
     key = jax.random.key(1)
@@ -252,7 +252,7 @@ def test_sampler_logprobs_with_tis_anchor_each_token_at_its_first_update(tiny):
     trainer's log-probs of a token come from the first update that sees it (ratio exactly
     1 there) and anchor its later ones (ratio 1 with learning rate 0, away from 1 after
     updates)."""
-    mdef, params, seqs = tiny
+    _, params, seqs = tiny
     tx = optax.inject_hyperparams(optax.adam)(learning_rate=0.0)
     up = _updater(tiny, tx, updates.Schedule(2, 2, 1, "sampler"), tis_cap=2.0)
     runs = {}
@@ -269,8 +269,7 @@ def test_sampler_logprobs_with_tis_anchor_each_token_at_its_first_update(tiny):
 
 @pytest.mark.parametrize("override, message", [
     ({"train.mini_batches": 3}, "train.mini_batches=3 must divide rollout.prompts_per_step=2"),
-    ({"train.updates_per_batch": 0}, "train.updates_per_batch must be a positive integer, "
-                                     "got 0"),
+    ({"train.updates_per_batch": 0}, "train.updates_per_batch must be a positive integer"),
     ({"train.micro_batches": -2}, "train.micro_batches must be a positive integer, got -2"),
     ({"loss.old_logprobs": "rollout"}, "loss.old_logprobs must be one of .*'rollout'"),
     ({"loss.clip_ratio_c": 0.9}, "loss.clip_ratio_c must be 0 \\(off\\) or > 1, got 0.9"),
