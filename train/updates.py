@@ -46,7 +46,7 @@ import jax
 import numpy as np
 
 from train import packing, rl_loss, steps
-from train.placement import Placement, place_batch
+from train.placement import Placement, place_batch, to_host
 
 #: ``loss.old_logprobs`` values (module docstring).
 OLD_LOGPROBS = ("sampler", "trainer")
@@ -207,17 +207,16 @@ class Updater:
     def _place(self, piece: packing.PackedBatch) -> dict:
         return place_batch(piece.arrays(*piece.values), self.placement.mesh)
 
-    def __call__(self, params, opt_state, seqs: Sequences, key: jax.Array,
-                 ref_params=None) -> tuple[object, object, StepReport]:
-        """Run the step's updates on ``seqs`` (``key``: the step's PRNG key, for the
-        shuffles; ``ref_params``: the reference policy, needed when ``loss.beta > 0``).
-        Returns ``(params, opt_state, StepReport)``; ``params`` and ``opt_state`` are
-        donated."""
-        t0 = time.perf_counter()
+    def layout(self, seqs: Sequences, key: jax.Array):
+        """``(ids, packs, pieces, bucket)`` of a step: the completions of each mini-batch
+        ``ids[epoch][m]``, its packing ``packs[epoch][m]`` (one epoch only when there is
+        one mini-batch: every epoch is the same batch), its micro-batches
+        ``pieces[epoch][m][u]`` (row slices, all of one shape) and the head's bucket they
+        all use (0: the head runs on every position)."""
         sched, micro = self.schedule, self.schedule.micro_batches
         ids = [[seqs.members(g) for g in epoch]
                for epoch in sched.mini_batch_groups(seqs.num_groups, key)]
-        distinct = ids if sched.mini_batches > 1 else ids[:1]  # one mini-batch: one packing
+        distinct = ids if sched.mini_batches > 1 else ids[:1]
         unit = micro * self.row_multiple
         need = max(seqs.rows_needed(i, self.row_len) for epoch in distinct for i in epoch)
         rows = -(-need // unit) * unit
@@ -228,34 +227,26 @@ class Updater:
         every = [x for epoch in pieces for mini in epoch for x in mini]
         bucket = (max(self.placement.bucket(x, self.bucket_multiple) for x in every)
                   if self.skip else 0)
+        return ids, packs, pieces, bucket
 
-        # epoch 1's batches and the forwards before the first update
-        placed = [[self._place(x) for x in mini] for mini in pieces[0]]
-        refs = None
-        if self.loss.beta > 0:
-            refs = [[self.forward(ref_params, b, bucket) for b in mini] for mini in placed]
-        for b in (b for mini in placed for b in mini):
-            if sched.old_logprobs == "trainer":
-                b["trainer_logp"] = self.forward(params, b, bucket)
-            elif self.first_visit:
-                b["trainer_logp"] = self._place_array(
-                    np.full(b["loss_mask"].shape, np.nan, np.float32))
-        jax.block_until_ready((placed, refs))
-        # the later epochs' batches are packed differently: their values go per completion
-        carried: dict[str, dict[int, np.ndarray]] = {}
-        if len(packs) > 1:
-            if refs is not None:
-                carried["ref_logp"] = self._per_completion(ids[0], packs[0], refs)
-            if sched.old_logprobs == "trainer":
-                carried["trainer_logp"] = self._per_completion(
-                    ids[0], packs[0], [[b["trainer_logp"] for b in mini] for mini in placed])
+    def __call__(self, params, opt_state, seqs: Sequences, key: jax.Array,
+                 ref_params=None) -> tuple[object, object, StepReport]:
+        """Run the step's updates on ``seqs`` (``key``: the step's PRNG key, for the
+        shuffles; ``ref_params``: the reference policy, needed when ``loss.beta > 0``).
+        Returns ``(params, opt_state, StepReport)``; ``params`` and ``opt_state`` are
+        donated."""
+        t0 = time.perf_counter()
+        sched, micro = self.schedule, self.schedule.micro_batches
+        ids, packs, pieces, bucket = self.layout(seqs, key)
+        repacked = len(packs) > 1  # later epochs packed differently: values per completion
+        placed, refs, carried = self._first_epoch(params, ref_params, ids[0], packs[0],
+                                                  pieces[0], bucket, repacked)
         t1 = time.perf_counter()
-
         reports = []
         for epoch in range(sched.epochs):
             for m in range(sched.mini_batches):
-                packed = packs[epoch if len(packs) > 1 else 0][m]
-                if epoch and len(packs) > 1:
+                packed = packs[epoch if repacked else 0][m]
+                if epoch and repacked:
                     batches, ref = self._later(packed, pieces[epoch][m], ids[epoch][m],
                                                carried)
                 else:
@@ -268,7 +259,7 @@ class Updater:
                 params, opt_state, metrics = out[:3]
                 if self.first_visit and epoch == 0:  # the trainer's log-probs, first seen
                     logps = out[3] if micro > 1 else (out[3],)
-                    if len(packs) > 1:
+                    if repacked:
                         carried.setdefault("trainer_logp", {}).update(
                             self._per_completion([ids[0][m]], [packed], [logps]))
                     else:  # the later epochs run on these very batches
@@ -279,12 +270,37 @@ class Updater:
         t2 = time.perf_counter()
         first = [x for mini in pieces[0] for x in mini]
         report = StepReport(
-            reports, r, bucket, positions=sum(x.loss_mask.size for x in first),
+            reports, first[0].tokens.shape[0], bucket,
+            positions=sum(x.loss_mask.size for x in first),
             kept=sum(x.num_kept for x in first),
             real=sum(int(np.count_nonzero(x.segment_ids)) for x in first),
-            head_tokens=(bucket if self.skip else r * self.row_len) * len(first),
+            head_tokens=(bucket if self.skip else first[0].loss_mask.size) * len(first),
             seconds={"reference": t1 - t0, "train": t2 - t1})
         return params, opt_state, report
+
+    def _first_epoch(self, params, ref_params, ids, packs, pieces, bucket, repacked):
+        """Epoch 1's micro-batches on the devices with the forwards before the first
+        update: ``(placed[m][u], refs[m][u] | None, carried)``, ``carried`` the
+        trainer-side values per completion for the later epochs when they are packed
+        differently (``repacked``)."""
+        placed = [[self._place(x) for x in mini] for mini in pieces]
+        refs = None
+        if self.loss.beta > 0:
+            refs = [[self.forward(ref_params, b, bucket) for b in mini] for mini in placed]
+        for b in (b for mini in placed for b in mini):
+            if self.schedule.old_logprobs == "trainer":
+                b["trainer_logp"] = self.forward(params, b, bucket)
+            elif self.first_visit:
+                b["trainer_logp"] = self._place_array(
+                    np.full(b["loss_mask"].shape, np.nan, np.float32))
+        jax.block_until_ready((placed, refs))
+        carried: dict[str, dict[int, np.ndarray]] = {}
+        if repacked and refs is not None:
+            carried["ref_logp"] = self._per_completion(ids, packs, refs)
+        if repacked and self.schedule.old_logprobs == "trainer":
+            carried["trainer_logp"] = self._per_completion(
+                ids, packs, [[b["trainer_logp"] for b in mini] for mini in placed])
+        return placed, refs, carried
 
     def _place_array(self, x: np.ndarray):
         return place_batch({"x": x}, self.placement.mesh)["x"]
@@ -295,7 +311,7 @@ class Updater:
         ``arrays[m][u]`` of mini-batches ``packs[m]`` holding completions ``ids[m]``."""
         out = {}
         for mini_ids, packed, parts in zip(ids, packs, arrays, strict=True):
-            whole = np.concatenate([np.asarray(a) for a in jax.device_get(list(parts))])
+            whole = np.concatenate([np.asarray(a) for a in to_host(list(parts))])
             for k, v in zip(mini_ids, packed.per_sequence(whole), strict=True):
                 out[int(k)] = v
         return out
