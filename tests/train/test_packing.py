@@ -31,6 +31,18 @@ def test_pack_layout_and_alignment():
     assert np.all(b.loss_mask[b.seq_index < 0] == 0)
     assert np.all(b.labels[b.segment_ids == 0] == -100)
     assert b.bucket() >= b.num_kept
+    # per-sequence values back out of the layout, and into it
+    per_seq = b.per_sequence(b.values["v"])
+    for got, want in zip(per_seq, vals["v"], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_array_equal(b.place(per_seq), b.values["v"])
+    with pytest.raises(ValueError, match="lengths \\[4, 2, 6\\]"):
+        b.place(per_seq[:3])
+    # row slices keep the numbering; their values are the whole batch's rows
+    top = b.rows(0, 2)
+    assert top.tokens.shape == (2, 16) and top.num_seqs == 4
+    np.testing.assert_array_equal(top.values["v"], b.values["v"][:2])
+    assert sum(len(v) for v in top.per_sequence(top.values["v"])) == top.num_kept
 
 
 def test_pack_errors():
