@@ -18,18 +18,23 @@ removed by the compiler.
                             layout), plus ``return_entropy`` / ``completion_mask``
   grpo_loss_fn, ppo_loss_fn Tunix 0.1.7's GRPO / PPO policy losses (same arguments, loss and
                             aux metrics) with log-probs and entropy from jaxhead
-  policy_losses             context manager: Tunix's registry names ``"grpo"`` / ``"ppo"``
-                            resolve to the jaxhead losses inside it (the one line to add)
-  register_model, TunixHead how to find the head weight of a model class (Qwen3 and Qwen2
-                            are built in, tied and untied)
+  drop_in                   context manager: every LM-head computation of the Tunix
+                            learners built and trained inside it (policy losses,
+                            reference / old-policy / anchor log-probs) on jaxhead (the one
+                            line to add; ``dropin.py`` says which hook serves each)
+  policy_losses, log_probs  its two halves: Tunix's registry names ``"grpo"`` / ``"ppo"``
+                            resolve to the jaxhead losses; ``common.compute_per_token_logps``
+                            is jaxhead's
+  register_model, TunixHead how to find the head (weight, optional bias) of a model class
+                            (Qwen3 and Qwen2 are built in, tied and untied)
 
 Use (``examples/tunix_grpo.py``)::
 
     from jaxhead.integrations import tunix as jaxhead_tunix
 
-    with jaxhead_tunix.policy_losses():          # the one line
+    with jaxhead_tunix.drop_in():                # the one line
         learner = GRPOLearner(rl_cluster=cluster, algo_config=config, reward_fns=reward)
-    learner.train(dataset)
+        learner.train(dataset)
 
 Importing this package requires Tunix (``pip install 'jaxhead[tunix]'``); ``import jaxhead``
 never imports it. Written against Tunix 0.1.7.
@@ -43,6 +48,7 @@ except ImportError as err:  # pragma: no cover - exercised only without Tunix in
         "(the google-tunix package)"
     ) from err
 
+from jaxhead.integrations.tunix.dropin import drop_in, log_probs
 from jaxhead.integrations.tunix.heads import TunixHead, register_model
 from jaxhead.integrations.tunix.logps import compute_per_token_logps
 from jaxhead.integrations.tunix.losses import grpo_loss_fn, policy_losses, ppo_loss_fn
@@ -50,7 +56,9 @@ from jaxhead.integrations.tunix.losses import grpo_loss_fn, policy_losses, ppo_l
 __all__ = [
     "TunixHead",
     "compute_per_token_logps",
+    "drop_in",
     "grpo_loss_fn",
+    "log_probs",
     "policy_losses",
     "ppo_loss_fn",
     "register_model",

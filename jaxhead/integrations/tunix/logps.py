@@ -102,7 +102,8 @@ def compute_per_token_logps(
       ValueError: ``return_logits=True``; no prompt column without packing (Tunix needs one
         too); a model that did not sow its hidden states.
       TypeError: a model class the adapter does not know (the message names it).
-      NotImplementedError: LoRA parameters on the LM head.
+      NotImplementedError: LM-head parameters the registration does not read (LoRA on
+        the head).
     """
     if return_logits:
         raise ValueError(
@@ -122,7 +123,7 @@ def compute_per_token_logps(
             model_kwargs["segment_ids"] = input_seg_ids
     if images is not None:
         model_kwargs["images"] = images
-    hidden = heads.final_hidden(model, input_tokens, model_kwargs)
+    hidden, _ = heads.final_hidden(model, input_tokens, model_kwargs)
 
     total = input_tokens.shape[1]
     packed = segment_ids is not None
@@ -142,10 +143,9 @@ def compute_per_token_logps(
                 else completion_mask.astype(bool))
         first = total - completion_tokens.shape[1]
 
+    hidden, weight = head.operands(hidden[:, first - 1 : total - 1])
     out = jaxhead.token_logprobs(
-        hidden[:, first - 1 : total - 1].astype(head.dtype),
-        head.weight.astype(head.dtype),
-        input_tokens[:, first:].astype(jnp.int32),
+        hidden, weight, input_tokens[:, first:].astype(jnp.int32),
         None if bucket is None else keep,
         temperature=1.0 if temperature in (0.0, 1.0) else temperature,
         softcap=head.softcap, with_entropy=return_entropy, bucket=bucket, impl=impl,

@@ -11,7 +11,6 @@ against the installed Tunix.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -21,8 +20,7 @@ from tunix.rl import algo_core, common, function_registry
 from jaxhead.integrations.tunix import logps
 
 
-def grpo_loss_fn(model, train_example, algo_config, pad_id, eos_id, *, impl="auto",
-                 **kwargs):
+def grpo_loss_fn(model, train_example, algo_config, pad_id, eos_id, **kwargs):
     """Tunix's GRPO policy loss with log-probs and entropy from jaxhead.
 
     The same loss, aux metrics and gradients as ``tunix.rl.algo_core.grpo_loss_fn``
@@ -39,13 +37,22 @@ def grpo_loss_fn(model, train_example, algo_config, pad_id, eos_id, *, impl="aut
       train_example: ``tunix.rl.common.TrainExample`` (packed or not).
       algo_config: ``GRPOConfig`` (``temperature`` set by the learner).
       pad_id, eos_id: the tokenizer's ids.
-      impl: jaxhead implementation.
       **kwargs: ignored, as in Tunix.
+
+    The signature is Tunix's (``tunix.rl.algo_core.grpo_loss_fn``), so every call form of
+    Tunix's trainers works, including ``nnx.value_and_grad(loss_fn)(model, **inputs)``
+    (nnx binds keyword arguments to positions, and refuses keyword-only parameters). The
+    jaxhead implementation is ``"auto"``; ``policy_losses(impl=...)`` registers the loss
+    with another.
 
     Returns:
       ``(loss, aux)``: scalar float32 loss and Tunix's aux dict.
     """
     del kwargs
+    return _grpo(model, train_example, algo_config, pad_id, eos_id, "auto")
+
+
+def _grpo(model, train_example, algo_config, pad_id, eos_id, impl):
     masked_mean = algo_core.masked_mean
     beta = algo_config.beta
     epsilon = algo_config.epsilon
@@ -132,8 +139,7 @@ def grpo_loss_fn(model, train_example, algo_config, pad_id, eos_id, *, impl="aut
     return loss, aux
 
 
-def ppo_loss_fn(model, train_example, algo_config, pad_id, eos_id, *, impl="auto",
-                **kwargs):
+def ppo_loss_fn(model, train_example, algo_config, pad_id, eos_id, **kwargs):
     """Tunix's PPO policy loss with log-probs and entropy from jaxhead.
 
     The same loss, aux and gradients as ``tunix.rl.algo_core.ppo_policy_loss_fn`` (Tunix
@@ -143,9 +149,14 @@ def ppo_loss_fn(model, train_example, algo_config, pad_id, eos_id, *, impl="auto
     the log-probs are at temperature 1. The entropy is computed only when
     ``entropy_coef`` is set and non-zero.
 
-    Args / Returns: as ``grpo_loss_fn`` (``algo_config`` a ``PPOConfig``).
+    Args / Returns / signature: as ``grpo_loss_fn`` (``algo_config`` a ``PPOConfig``;
+    ``tunix.rl.algo_core.ppo_policy_loss_fn``'s signature).
     """
     del kwargs
+    return _ppo(model, train_example, algo_config, pad_id, eos_id, "auto")
+
+
+def _ppo(model, train_example, algo_config, pad_id, eos_id, impl):
     masked_mean = algo_core.masked_mean
     entropy_coef = algo_config.entropy_coef
     with_entropy = entropy_coef is not None and entropy_coef != 0.0
@@ -189,17 +200,24 @@ def ppo_loss_fn(model, train_example, algo_config, pad_id, eos_id, *, impl="auto
     return loss, aux
 
 
-_LOSSES = {"grpo": grpo_loss_fn, "ppo": ppo_loss_fn}
+_LOSSES = {"grpo": (grpo_loss_fn, _grpo), "ppo": (ppo_loss_fn, _ppo)}
 
 
-def _with_impl(loss_fn, impl):
+def registered_loss(name: str, impl: str = "auto"):
+    """The loss ``policy_losses`` registers for ``name`` with jaxhead implementation
+    ``impl``: the public function for ``"auto"``, else a function of the same (Tunix's)
+    signature that runs ``impl``; its attribute ``impl`` names it."""
+    public, body = _LOSSES[name]
     if impl == "auto":
-        return loss_fn
+        return public
 
-    @functools.wraps(loss_fn)
     def loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
-        return loss_fn(model, train_example, algo_config, pad_id, eos_id, impl=impl, **kwargs)
+        del kwargs
+        return body(model, train_example, algo_config, pad_id, eos_id, impl)
 
+    loss.__name__ = loss.__qualname__ = public.__name__
+    loss.__doc__ = f"{public.__name__} with jaxhead impl={impl!r}."
+    loss.impl = impl
     return loss
 
 
@@ -239,7 +257,7 @@ def policy_losses(names: Sequence[str] = ("grpo", "ppo"), *, impl: str = "auto"
                          f"{sorted(_LOSSES)}")
     saved = {name: function_registry.get_policy_loss_fn(name) for name in names}
     for name in names:
-        function_registry.register_policy_loss_fn(name)(_with_impl(_LOSSES[name], impl))
+        function_registry.register_policy_loss_fn(name)(registered_loss(name, impl))
     try:
         yield
     finally:

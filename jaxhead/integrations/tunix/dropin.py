@@ -1,0 +1,102 @@
+"""``drop_in``: every LM-head computation of Tunix's RL learners on jaxhead.
+
+Tunix 0.1.7's GRPO-family and PPO learners compute per-token log-probs from an LM head in
+four places, and the drop-in reaches each through the narrowest hook there is:
+
+=====================================  =========================================  ==========
+what                                   Tunix's path                               hook
+=====================================  =========================================  ==========
+policy log-probs and entropy (loss)    the registered ``"grpo"`` / ``"ppo"`` loss  registry
+reference log-probs (KL)               ``RLCluster.get_ref_per_token_logps`` ->     patch
+                                       ``InferenceWorker`` ->
+                                       ``common.compute_per_token_logps``
+old-policy log-probs (importance       ``RLCluster.get_old_per_token_logps`` ->     patch, or
+ratio; PPO, GRPO with ``num_           ``rollout.get_per_token_logps`` ->           the engine
+iterations > 1``)                      ``common.compute_per_token_logps``
+anchor-policy log-probs (agentic)      ``RLCluster.get_actor_per_token_logps`` ->   patch
+                                       ``common.compute_per_token_logps``
+=====================================  =========================================  ==========
+
+The losses go through Tunix's public ``function_registry`` (``losses.policy_losses``).
+The other three have no extension point: the ``InferenceWorker`` is built inside
+``RLCluster``, and every one of them calls the module attribute
+``tunix.rl.common.compute_per_token_logps``. ``log_probs`` replaces that one attribute,
+for the calls that do not ask for the logits (``return_logits=False``; the others, such as
+Tunix's own losses, go to Tunix's function), and puts back what it found on exit. The
+rollout engine ``jaxhead.integrations.tunix.JaxheadRollout`` (Tunix's public
+``ClusterConfig.rollout_engine``) computes old-policy log-probs through jaxhead without
+the patch, and samples without the ``[B, V]`` logits.
+
+What changes in the numbers: positions outside the completion mask are exactly 0 instead
+of the log-prob of the padding token there (every Tunix loss masks them out); inside it,
+the same log-probs (float32: to the matmul's rounding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from tunix.rl import common
+
+from jaxhead.integrations.tunix import logps
+from jaxhead.integrations.tunix.losses import policy_losses
+
+
+def _jaxhead_compute_per_token_logps(original, impl: str):
+    """``common.compute_per_token_logps``'s signature: jaxhead's unless the caller wants
+    the logits (then ``original``)."""
+
+    def compute_per_token_logps(graphdef, state, prompt_tokens, completion_tokens, pad_id,
+                                eos_id, images=None, stop_gradient=True, return_logits=False,
+                                segment_ids=None, segment_positions=None, temperature=1.0):
+        if return_logits:
+            return original(graphdef, state, prompt_tokens, completion_tokens, pad_id,
+                            eos_id, images, stop_gradient, return_logits, segment_ids,
+                            segment_positions, temperature)
+        return logps.compute_per_token_logps(
+            graphdef, state, prompt_tokens, completion_tokens, pad_id, eos_id, images,
+            stop_gradient, False, segment_ids, segment_positions, temperature, impl=impl)
+
+    compute_per_token_logps.original = original
+    compute_per_token_logps.impl = impl
+    return compute_per_token_logps
+
+
+@contextlib.contextmanager
+def log_probs(*, impl: str = "auto") -> Iterator[None]:
+    """Inside the block, Tunix's reference, old-policy and anchor-policy log-probs come
+    from jaxhead (``tunix.rl.common.compute_per_token_logps`` is replaced for calls with
+    ``return_logits=False``; see the module docstring). Restored on exit, errors
+    included; blocks nest. These paths run while a learner trains, so the block must hold
+    ``learner.train(...)``. Not thread-safe while entering or leaving.
+
+    Args:
+      impl: the jaxhead implementation (``"auto"``: by backend).
+    """
+    original = common.compute_per_token_logps
+    common.compute_per_token_logps = _jaxhead_compute_per_token_logps(original, impl)
+    try:
+        yield
+    finally:
+        common.compute_per_token_logps = original
+
+
+@contextlib.contextmanager
+def drop_in(*, impl: str = "auto") -> Iterator[None]:
+    """Every LM-head computation of the Tunix learners built and trained inside the block
+    runs on jaxhead: the GRPO / PPO policy losses (``policy_losses``) and the reference,
+    old-policy and anchor-policy log-probs (``log_probs``). Everything is restored on exit.
+
+    Example::
+
+        with jaxhead_tunix.drop_in():
+            learner = GRPOLearner(rl_cluster=cluster, algo_config=config, reward_fns=fn)
+            learner.train(dataset)
+
+    Raises (inside the block, from the first call that meets the model):
+      TypeError: a model class the adapter does not know (``register_model``).
+      NotImplementedError: LM-head parameters the registration does not read.
+    """
+    with policy_losses(impl=impl), log_probs(impl=impl):
+        yield
