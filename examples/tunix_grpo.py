@@ -1,12 +1,18 @@
-"""Tunix's GRPO learner with its policy log-probs and entropy from jaxhead: one added line.
+"""Tunix's GRPO learner with every LM-head computation on jaxhead: one added line.
 
     pip install -e '.[tunix]' && python examples/tunix_grpo.py
 
 Two GRPO steps of a tiny random Qwen3 (float32, tied head) on CPU, with a character
 tokenizer and a toy reward. With a real model, tokenizer and cluster, only the ``with`` line
-in ``main`` is new: learners built inside it use ``jaxhead.integrations.tunix``'s GRPO / PPO
-losses; the block restores Tunix's own on exit. ``tests/jaxhead/test_tunix.py`` trains this
-cluster with and without the line and compares the metrics.
+in ``main`` is new: inside it the learner's policy loss, reference and old-policy log-probs
+come from ``jaxhead.integrations.tunix``; the block restores Tunix's own on exit.
+``tests/jaxhead/test_tunix.py`` trains this cluster with and without the line and compares
+the metrics.
+
+The prompts are a numpy array of strings, as Tunix's learner expects: it repeats every
+batch entry ``num_generations`` times with ``np.repeat`` over the batch's leaves, so a
+Python list of strings would turn each string into an array of copies (and the tokenizer
+would see no text).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from tunix.rl.rollout.base_rollout import RolloutConfig
 
 from jaxhead.integrations import tunix as jaxhead_tunix
 
-PROMPTS = [{"prompts": ["what is 3 4?", "say 7"]}] * 2  # two batches: two steps
+TEXTS = np.array(["what is 3 4?", "say 7"])
+PROMPTS = [{"prompts": TEXTS}] * 2  # two batches: two steps
 
 
 class CharTokenizer:
@@ -79,10 +86,10 @@ def cluster(max_steps: int = 2) -> rl.RLCluster:
 
 def main():
     rl_cluster = cluster()
-    with jaxhead_tunix.policy_losses():  # the one line: "grpo" / "ppo" now run on jaxhead
+    with jaxhead_tunix.drop_in():  # the one line: every head computation now runs on jaxhead
         learner = GRPOLearner(rl_cluster=rl_cluster, reward_fns=reward,
                               algo_config=GRPOConfig(num_generations=2, beta=0.04))
-    learner.train(PROMPTS)
+        learner.train(PROMPTS)
     logger = rl_cluster.actor_trainer.metrics_logger
     for name in ("loss", "kl", "grad_norm"):
         print(name, logger.get_metric_history("actor", name, "train"))

@@ -8,6 +8,7 @@ states (f32: <= 1e-5, the platform's matmul rounding being the only difference).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -263,40 +264,61 @@ def _load(relative):
     return module
 
 
-def _train_two_steps(example, use_jaxhead: bool):
-    """``examples/tunix_grpo.py``'s cluster, two GRPO steps, with or without the switch."""
+def _train_two_steps(example, use_jaxhead: bool, num_iterations: int):
+    """``examples/tunix_grpo.py``'s cluster, two GRPO updates, with or without the
+    drop-in; ``num_iterations = 2``: both on the first batch (old-policy log-probs)."""
     cluster = example.cluster(max_steps=2)
-    completions = []
+    completions, prompts = [], []
     cluster.with_external_metrics_logger(
         lambda buffer: completions.extend(buffer.metrics["completions"][0]
                                           if "completions" in buffer.metrics else []))
-    config = grpo_learner.GRPOConfig(num_generations=2, num_iterations=1, beta=0.04)
-    with jaxhead_tunix.policy_losses() if use_jaxhead else contextlib.nullcontext():
+    generate = cluster.generate
+
+    def recorded(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        prompts.append((list(kwargs["prompts"]), [
+            example.CharTokenizer().decode(row) for row in out.left_padded_prompt_tokens]))
+        return out
+
+    cluster.generate = recorded
+    config = grpo_learner.GRPOConfig(num_generations=2, num_iterations=num_iterations,
+                                     beta=0.04)
+    with jaxhead_tunix.drop_in() if use_jaxhead else contextlib.nullcontext():
         learner = grpo_learner.GRPOLearner(rl_cluster=cluster, algo_config=config,
                                            reward_fns=example.reward)
-    learner.train(example.PROMPTS)
+        learner.train(example.PROMPTS)
     logger = cluster.actor_trainer.metrics_logger
     metrics = {name: logger.get_metric_history("actor", name, "train")
                for name in ("loss", "grad_norm", "kl", "pg_clipfrac", "perplexity")}
-    return metrics, completions, nnx.state(cluster.actor_trainer.model, nnx.Param)
+    return metrics, completions, prompts, nnx.state(cluster.actor_trainer.model, nnx.Param)
 
 
-def test_grpo_learner_two_steps_same_metrics_as_tunix(monkeypatch):
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_grpo_learner_two_steps_same_metrics_as_tunix(monkeypatch, num_iterations):
+    """Policy loss, reference log-probs and (``num_iterations = 2``) old-policy log-probs
+    through jaxhead: the learner's metrics and parameters after two updates are Tunix's;
+    the sampler saw B x G prompts, each the given text."""
     calls = []
-    policy_logps = jaxhead_tunix.logps.policy_logps
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return policy_logps(*args, **kwargs)
-
-    monkeypatch.setattr(jaxhead_tunix.logps, "policy_logps", spy)
+    for name in ("policy_logps", "compute_per_token_logps"):
+        inner = getattr(jaxhead_tunix.logps, name)
+        monkeypatch.setattr(jaxhead_tunix.logps, name, functools.partial(
+            lambda inner, name, *a, **k: calls.append(name) or inner(*a, **k), inner, name))
     example = _load(Path("examples") / "tunix_grpo.py")
-    metrics, completions, params = _train_two_steps(example, use_jaxhead=False)
+    metrics, completions, prompts, params = _train_two_steps(example, False, num_iterations)
     assert not calls
-    metrics_j, completions_j, params_j = _train_two_steps(example, use_jaxhead=True)
-    assert calls, "the jaxhead loss did not run"
-    assert completions_j == completions and len(completions) == 2, completions
+    metrics_j, completions_j, prompts_j, params_j = _train_two_steps(example, True,
+                                                                     num_iterations)
+    # the loss traced (once: both updates run its compiled step), and the reference (and
+    # old-policy) log-probs once per batch, besides the loss's own call
+    batches = 2 // num_iterations
+    losses = calls.count("policy_logps")
+    assert losses >= 1, calls
+    assert calls.count("compute_per_token_logps") - losses == batches * (
+        1 + (num_iterations > 1)), calls
+    assert completions_j == completions and len(completions) == batches, completions
     assert all(text for step in completions for text in step), completions
+    texts = [t for t in example.TEXTS for _ in range(2)]  # B x G rows, G = 2
+    assert prompts_j == prompts == [(texts, texts)] * batches, prompts
     for name, values in metrics.items():
         assert values.shape == (2,), (name, values)
         np.testing.assert_allclose(metrics_j[name], values, rtol=1e-5, atol=1e-7,
