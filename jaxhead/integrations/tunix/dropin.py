@@ -10,8 +10,8 @@ policy log-probs and entropy (loss)    the registered ``"grpo"`` / ``"ppo"`` los
 reference log-probs (KL)               ``RLCluster.get_ref_per_token_logps`` ->     patch
                                        ``InferenceWorker`` ->
                                        ``common.compute_per_token_logps``
-old-policy log-probs (importance       ``RLCluster.get_old_per_token_logps`` ->     patch, or
-ratio; PPO, GRPO with ``num_           ``rollout.get_per_token_logps`` ->           the engine
+old-policy log-probs (importance       ``RLCluster.get_old_per_token_logps`` ->     patch
+ratio; PPO, GRPO with ``num_           ``rollout.get_per_token_logps`` ->
 iterations > 1``)                      ``common.compute_per_token_logps``
 anchor-policy log-probs (agentic)      ``RLCluster.get_actor_per_token_logps`` ->   patch
                                        ``common.compute_per_token_logps``
@@ -22,10 +22,10 @@ The other three have no extension point: the ``InferenceWorker`` is built inside
 ``RLCluster``, and every one of them calls the module attribute
 ``tunix.rl.common.compute_per_token_logps``. ``log_probs`` replaces that one attribute,
 for the calls that do not ask for the logits (``return_logits=False``; the others, such as
-Tunix's own losses, go to Tunix's function), and puts back what it found on exit. The
-rollout engine ``jaxhead.integrations.tunix.JaxheadRollout`` (Tunix's public
-``ClusterConfig.rollout_engine``) computes old-policy log-probs through jaxhead without
-the patch, and samples without the ``[B, V]`` logits.
+Tunix's own losses, go to Tunix's function), and puts back what it found on exit.
+Generation is not covered: Tunix's vanilla sampler (``tunix.generate.sampler.Sampler``)
+takes no sampling function (greedy / top-p / beam search are fixed inside it), so it keeps
+its ``[B, V]`` logits per decode step.
 
 What changes in the numbers: positions outside the completion mask are exactly 0 instead
 of the log-prob of the padding token there (every Tunix loss masks them out); inside it,
