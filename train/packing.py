@@ -60,10 +60,14 @@ class PackedBatch:
         out.update({k: self.values[k] for k in value_names})
         return out
 
-    def bucket(self, multiple: int = 128) -> int:
+    def bucket(self, multiple: int = 128, max_kept: int | None = None) -> int:
         """The head's static bucket for this batch: ``jaxhead.bucket_size`` with rungs that
-        are multiples of ``multiple`` (a coarser ladder compiles fewer step variants)."""
-        return jaxhead.bucket_size(self.num_kept, self.loss_mask.size, multiple=multiple)
+        are multiples of ``multiple`` (a coarser ladder compiles fewer step variants), and
+        never more than ``max_kept``, the most tokens such a batch can keep (e.g. its
+        sequences times the longest completion: a full batch then takes exactly that many
+        slots instead of the next rung's padding)."""
+        limit = self.loss_mask.size if max_kept is None else min(max_kept, self.loss_mask.size)
+        return jaxhead.bucket_size(self.num_kept, limit, multiple=multiple)
 
     def rows(self, start: int, stop: int) -> PackedBatch:
         """Rows ``start:stop`` as a batch (its sequence numbering kept: ``num_seqs`` and

@@ -234,12 +234,14 @@ class Placement:
         """A packed batch's row multiple that also splits over the batch shards."""
         return math.lcm(max(1, multiple), self.batch_shards) if self.sharded else multiple
 
-    def bucket(self, packed, multiple: int) -> int:
+    def bucket(self, packed, multiple: int, max_kept: int | None = None) -> int:
         """The head's static bucket of a ``train.packing.PackedBatch``: ``packed.bucket``
         on one device; on a mesh the rung of the fullest token shard
         (``jaxhead.bucket_for_shards``; every process holds the same global batch, so no
-        collective is needed)."""
+        collective is needed). Either way at most ``max_kept`` (the most tokens the batch
+        can keep; no shard keeps more)."""
         if not self.sharded:
-            return packed.bucket(multiple)
+            return packed.bucket(multiple, max_kept)
         keep = np.asarray(packed.loss_mask) != 0
-        return jaxhead.bucket_for_shards(keep, self.batch_shards, multiple=multiple)
+        rung = jaxhead.bucket_for_shards(keep, self.batch_shards, multiple=multiple)
+        return rung if max_kept is None else min(rung, max_kept)

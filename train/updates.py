@@ -204,6 +204,11 @@ class Updater:
         self.forward = steps.reference_logprobs(mdef, placement, temperature=temperature,
                                                 skip=skip)
 
+    def _max_kept(self, piece: packing.PackedBatch) -> int:
+        """The most positions ``piece`` can keep: its sequences x the longest completion."""
+        seqs = np.unique(piece.seq_index[piece.seq_index >= 0]).size
+        return max(seqs, 1) * self.loss.max_completion_len
+
     def _place(self, piece: packing.PackedBatch) -> dict:
         return place_batch(piece.arrays(*piece.values), self.placement.mesh)
 
@@ -225,8 +230,10 @@ class Updater:
         pieces = [[[p.rows(u * r, (u + 1) * r) for u in range(micro)] for p in epoch]
                   for epoch in packs]
         every = [x for epoch in pieces for mini in epoch for x in mini]
-        bucket = (max(self.placement.bucket(x, self.bucket_multiple) for x in every)
-                  if self.skip else 0)
+        # never more slots than a piece's completions can fill (its sequences x the
+        # longest completion): full-length completions fill the bucket exactly
+        bucket = (max(self.placement.bucket(x, self.bucket_multiple, self._max_kept(x))
+                      for x in every) if self.skip else 0)
         return ids, packs, pieces, bucket
 
     def __call__(self, params, opt_state, seqs: Sequences, key: jax.Array,

@@ -57,3 +57,16 @@ def test_pack_errors():
 def test_first_fit_decreasing_fills_rows():
     rows = packing.assign_rows([7, 5, 4, 3, 1], 10)
     assert sorted(sorted(r) for r in rows) == [[0, 3], [1, 2, 4]]
+
+
+def test_bucket_never_exceeds_the_most_tokens_the_batch_can_keep():
+    """128 completions of 16 tokens keep 2048 positions: the ladder's rung above 1920 is
+    2432 (384 padding rows through the head); capped at 128 x 16 the bucket is exact."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 1000, 30).tolist() for _ in range(128)]
+    comps = [rng.integers(1, 1000, 16).tolist() for _ in range(128)]
+    b = packing.pack(prompts, comps, 128)
+    assert b.num_kept == 2048 and b.bucket(64) == 2432
+    assert b.bucket(64, max_kept=128 * 16) == 2048
+    short = packing.pack(prompts, [c[:8] for c in comps], 128)  # the cap only ever lowers
+    assert short.bucket(64, max_kept=128 * 16) == short.bucket(64) >= short.num_kept
