@@ -5,6 +5,7 @@ import a third-party RL library. Import the module you need explicitly:
 
   jaxhead.integrations.tunix   Tunix (``google-tunix``; ``pip install 'jaxhead[tunix]'``):
                                ``compute_per_token_logps`` from the final hidden states, and
-                               Tunix's GRPO / PPO policy losses on jaxhead, switched on with
-                               ``policy_losses()``
+                               every LM-head computation of Tunix's GRPO / PPO learners
+                               (losses, reference / old-policy log-probs) on jaxhead,
+                               switched on with ``drop_in()``
 """
