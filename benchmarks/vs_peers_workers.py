@@ -170,8 +170,8 @@ def run_trainer(w: dict, iterations: int) -> None:
     opt_state = loop.tx.init(params)
     timer = Timer()
     it.generate = timer.wrap(it.generate, "generation", lambda ro: ro.tokens)
-    it.reference = timer.wrap(it.reference, "reference")
-    it.update = timer.wrap(it.update, "train")
+    it.updater.forward = timer.wrap(it.updater.forward, "reference")  # reference log-probs
+    it.updater.step = timer.wrap(it.updater.step, "train")
     problems = [s.tasks.problem_at(cfg.seed, i) for i in range(len(w["texts"]))]
     assert [list(p.prompt) for p in problems] == w["prompt_ids"], "not the workload's prompts"
     key = jax.random.key(cfg.seed)
