@@ -7,9 +7,12 @@ ml_collections, as in the Flax examples).
 * Errors are one line (or a list of valid keys) on stderr, no traceback: a config file
   that does not exist or a missing ``--config`` (status 2), an override of a key the
   config does not have (status 2: the closest valid keys, every valid key, then the error
-  line again). A config whose values are wrong (an unknown task, a missing checkpoint
-  directory) is found when the run is built and exits with status 1
-  (``train.setup.start``).
+  line again). Values outside their key's domain (a negative temperature, an unknown
+  task, a missing checkpoint directory) are all reported at once, one ``error:`` line
+  each, before any work (status 2, ``train.setup.start``), and so is a resumed run whose
+  config differs from the saved one in a value that changes the results.
+* Output piped to a reader that closes early (``--helpfull | head``) ends the program
+  quietly (status 141, as a SIGPIPE would), without a ``BrokenPipeError`` traceback.
 
 An entry point is ``main(argv)`` calling its trainer with ``config()``, started by
 ``run(main)``.
@@ -111,6 +114,7 @@ def parse_flags(argv: list[str]) -> list[str]:
                   + resolved(load_config(path)))
         else:
             print("\nPass --config=FILE --print_config to list a config's keys and values.")
+        sys.stdout.flush()  # a closed reader is found here, not at exit
         sys.exit(0)
     try:
         rest = flags.FLAGS(argv)
@@ -137,6 +141,7 @@ def parse_flags(argv: list[str]) -> list[str]:
         _fail(msg)
     if _PRINT_CONFIG.value:
         print(resolved(config()))
+        sys.stdout.flush()
         sys.exit(0)
     return rest
 
@@ -151,9 +156,20 @@ def config_file() -> str:
     return config_flags.get_config_filename(flags.FLAGS["config"])
 
 
+#: The exit status of a program whose output reader went away (128 + SIGPIPE).
+BROKEN_PIPE = 141
+
+
 def run(main) -> None:
     """``app.run(main)`` with this module's flag parser and ``--config`` required;
-    orbax's INFO logs (one per save) are silenced."""
+    orbax's INFO logs (one per save) are silenced. A closed stdout reader ends the
+    program quietly with status ``BROKEN_PIPE``."""
     flags.mark_flag_as_required("config")
     logging.set_verbosity(logging.WARNING)
-    app.run(main, flags_parser=parse_flags)
+    try:
+        app.run(main, flags_parser=parse_flags)
+    except BrokenPipeError:
+        # stdout's buffer cannot be flushed any more: point it at /dev/null so that the
+        # interpreter's own flush at exit has nowhere to fail
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(BROKEN_PIPE)

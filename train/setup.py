@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 
 import models
-from train import distributed, state
+from train import config, distributed, resume, state
 from train.checkpoint import check_resumable, require_checkpoint
 from train.data import Problem, Tasks
 from train.metrics import MetricsWriter
@@ -109,21 +109,51 @@ def build(cfg) -> Setup:
                  hf_params, placement, writer)
 
 
+def _exit(status: int, lines: list[str]) -> None:
+    print("\n".join(f"error: {line}" for line in lines), file=sys.stderr)
+    sys.exit(status)
+
+
 def start(cfg, checks=()) -> Setup:
-    """The preamble of both entry points: ``jax.distributed`` when the run spans several
-    processes (before any other JAX call), ``checks`` (callables of ``cfg`` that raise
-    ``ValueError`` on a bad value of the entry point's own keys), then ``build``; a bad
-    config (unknown task, missing checkpoint directory, a mesh that does not fit the
-    devices, ...) exits with status 1 and a one-line ``error: ...`` on stderr instead of a
-    traceback."""
+    """The preamble of both entry points, before any work:
+
+    1. ``train.config.check``: every value outside its key's domain (a negative
+       temperature, an unknown task, a missing checkpoint directory, ...), one
+       ``error: key = value: reason`` line each on stderr, then exit status 2;
+    2. ``jax.distributed`` when the run spans several processes (before any other JAX
+       call);
+    3. a run directory started with another config (``train.resume``): a value that
+       changes the results is one ``error:`` line each and exit status 2; more steps and
+       how the run is carried out are listed and allowed;
+    4. ``checks`` (callables of ``cfg`` that raise ``ValueError`` on a bad value of the
+       entry point's own keys), then ``build``: what they find wrong (a mesh that does not
+       fit the devices, an eval set the task cannot fill, ...) is one ``error: ...`` line
+       and exit status 1.
+
+    Nothing is written to the run directory before step 4 succeeds, when its
+    ``config.json`` records the config.
+    """
+    problems = config.check(cfg)
+    if problems:
+        _exit(2, problems)
     distributed.initialize(cfg)
+    workdir = Path(cfg.workdir).absolute()
+    try:
+        changes = resume.check(cfg, workdir)
+    except ValueError as err:
+        _exit(2, str(err).splitlines())
+    lead = jax.process_index() == 0
+    if changes and lead:
+        print(f"resuming {workdir} with changes: " + "; ".join(changes), flush=True)
     try:
         for check in checks:
             check(cfg)
-        return build(cfg)
+        s = build(cfg)
     except (ValueError, FileNotFoundError) as err:  # models.CheckpointError is a ValueError
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+        _exit(1, [str(err)])
+    if lead:
+        resume.save(cfg, workdir)
+    return s
 
 
 def _millions(n: int) -> str:

@@ -93,8 +93,17 @@ def test_two_grpo_steps_end_to_end(tmp_path, env):
         "params", "opt_state", "rng", "meta"}
     assert _complete_checkpoints(work / "sft") == [2]
     assert {p.name for p in (work / "sft" / "2").iterdir() if p.is_dir()} == {"params", "meta"}
+    # the run directory keeps its config; a value that changes the results stops a rerun
+    # before any work (the reported case: a finished run printed T=0.5 above its T=1 rows)
+    assert json.loads((work / "config.json").read_text())["loss.beta"] == "0.01"
+    hotter = subprocess.run(
+        _cmd(work, "--config.loss.beta=0.01", "--config.rollout.temperature=0.5"), cwd=ROOT,
+        env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert hotter.returncode == 2 and hotter.stderr.startswith(
+        "error: rollout.temperature = 0.5, but the run was started with 1.0"), hotter.stderr
     # a finished params-only stage cannot be resumed to more steps: one line, no traceback
-    more = subprocess.run(_cmd(work, "--config.sft.steps=3"), cwd=ROOT, env=env,
+    more = subprocess.run(_cmd(work, "--config.loss.beta=0.01", "--config.sft.steps=3"),
+                          cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert more.returncode == 1 and "Traceback" not in more.stderr
     assert more.stderr.startswith(f"error: {work / 'sft'} finished at step 2 and kept its "
@@ -159,9 +168,9 @@ def test_unknown_config_key_lists_valid_keys(tmp_path, env):
 
 @pytest.mark.parametrize("override, message", [
     ({"data.tasks": ("chain_sum", "no_such_task")},
-     "unknown reasoning-gym task(s) ['no_such_task']"),
-    ({"init.sft_checkpoint": "MISSING"}, "does not exist"),
-    ({"model.hf_checkpoint": "MISSING"}, "does not exist"),
+     "data.tasks = ('chain_sum', 'no_such_task'): unknown name(s) 'no_such_task'"),
+    ({"init.sft_checkpoint": "MISSING"}, "must be '' or an existing directory"),
+    ({"model.hf_checkpoint": "MISSING"}, "must be '' or an existing directory"),
 ])
 def test_bad_input_exits_with_a_clear_error(tmp_path, capsys, override, message):
     from train import setup
@@ -175,7 +184,7 @@ def test_bad_input_exits_with_a_clear_error(tmp_path, capsys, override, message)
     cfg.workdir = str(tmp_path / "w")
     with pytest.raises(SystemExit) as exc:
         setup.start(cfg)
-    assert exc.value.code == 1
+    assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err
 
