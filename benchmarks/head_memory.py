@@ -10,20 +10,36 @@ w.r.t. the hidden states and the weight (the loss is ``sum(logp)``, the cross-en
 peer offers; jaxhead without its entropy, ``with_entropy=False``). Nothing is run: each
 function is compiled for abstract shapes (``jax.ShapeDtypeStruct``) and the table gives XLA's
 ``memory_analysis().temp_size_in_bytes`` (temporaries beyond inputs and outputs) and the
-seconds the compile took. A peer that is not installed gets a row saying so.
+seconds the compile took. The heads:
+
+* ``jaxhead``: ``jaxhead.token_logprobs`` (``impl="auto"``);
+* ``plain``: float32 logits and ``log_softmax`` (``jaxhead.reference_token_logprobs``);
+* ``optax``: ``optax.losses.softmax_cross_entropy_with_integer_labels`` on float32 logits;
+* ``tokamax``: ``tokamax.linear_softmax_cross_entropy_loss`` (``implementation=None``: the
+  best it has for the backend; on CPU its ``"xla"`` implementation);
+* ``tunix``: Tunix's path, logits from the head's matmul in the inputs' dtype (as its
+  models' LM head computes them), then ``tunix.rl.common.selective_log_softmax``.
+
+A peer that is not installed gets a row saying so (``pip install tokamax google-tunix``
+beside jax; tested with tokamax 0.0.12, the newest for Python 3.11, and google-tunix 0.1.7).
+The output is what ``benchmarks/plots.py head-memory`` draws.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
+import importlib.metadata
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 import jaxhead
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train: a checkout's
+from train.metrics import machine
 
 GiB = 2**30
 
@@ -43,21 +59,27 @@ def _optax(hidden, weight, labels):
     return -optax.losses.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
+def _tokamax(hidden, weight, labels):
+    import tokamax  # a peer: imported only when measured
+
+    return -tokamax.linear_softmax_cross_entropy_loss(hidden, labels, weight, reduction="sum")
+
+
+def _tunix(hidden, weight, labels):
+    from tunix.rl import common  # a peer: imported only when measured
+
+    return common.selective_log_softmax(jnp.dot(hidden, weight), labels)
+
+
+#: name -> (the distribution it comes from, what it is, the function)
 HEADS = {
-    "jaxhead": ("jaxhead.token_logprobs", _jaxhead),
-    "plain": ("plain JAX (f32 logits, log_softmax)", _plain),
-    "optax": ("optax softmax_cross_entropy_with_integer_labels", _optax),
+    "jaxhead": ("jaxhead", "jaxhead.token_logprobs", _jaxhead),
+    "plain": ("jax", "plain JAX (f32 logits, log_softmax)", _plain),
+    "optax": ("optax", "optax softmax_cross_entropy_with_integer_labels", _optax),
+    "tokamax": ("tokamax", "tokamax linear_softmax_cross_entropy_loss (best for the backend)",
+                _tokamax),
+    "tunix": ("google-tunix", "Tunix selective_log_softmax of the head's logits", _tunix),
 }
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``lscpu``'s "Model name") and core count."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-    except OSError:
-        names = []
-    return f"{names[0] if names else platform.machine()}, {os.cpu_count()} cores"
 
 
 def temp_bytes(head, n, h, v, dtype) -> tuple[int, float]:
@@ -80,12 +102,12 @@ def main():
     a = p.parse_args()
     dtype = jnp.dtype(a.dtype)
     print(f"jax {jax.__version__}, XLA:{jax.devices()[0].platform} compile of abstract shapes "
-          f"on {cpu_name()}; H={a.hidden}, V={a.vocab}, "
+          f"on {machine()}; H={a.hidden}, V={a.vocab}, "
           f"{a.dtype}; grad of sum(logp) w.r.t. hidden and weight")
     print("| head | tokens | temporaries GiB | compile s |")
     print("|---|---|---|---|")
     for name in a.heads:
-        head = HEADS[name][1]
+        head = HEADS[name][2]
         for n in a.tokens:
             try:
                 temp, secs = temp_bytes(head, n, a.hidden, a.vocab, dtype)
@@ -95,7 +117,12 @@ def main():
             print(f"| {name} | {n} | {temp / GiB:.3f} | {secs:.1f} |", flush=True)
     print()
     for name in a.heads:
-        print(f"{name}: {HEADS[name][0]}")
+        dist, what, _ = HEADS[name]
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            version = "not installed"
+        print(f"{name}: {what} ({dist} {version})")
 
 
 if __name__ == "__main__":

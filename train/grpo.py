@@ -28,9 +28,9 @@ import time
 import jax
 import numpy as np
 
-from train import cli, evaluate, rl_loss, rollout, setup, steps, updates
+from train import cli, evaluate, plot, rl_loss, rollout, setup, steps, updates
 from train.loop import Loop, Stage
-from train.metrics import peak_flops, reduce_updates, train_step_flops
+from train.metrics import machine, peak_flops, reduce_updates, train_step_flops
 from train.placement import place_batch
 from train.sft import run_sft
 from train.state import Params
@@ -332,6 +332,8 @@ def train(cfg, config_file: str | None = None) -> None:
           f"{time.perf_counter() - t_start:.0f} s (CPU time {cpu:.0f} s); run directory "
           f"{s.workdir}", flush=True)
     s.writer.close()
+    if s.writer.enabled and before is not None:  # the curve of this run: PNG or how to get it
+        print(plot.write_or_hint(s.workdir, machine()), flush=True)
 
 
 def main(argv):

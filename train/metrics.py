@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import resource
 import sys
 from pathlib import Path
@@ -98,6 +99,20 @@ def reduce_updates(updates: list[tuple[tuple[int, int], dict]]) -> dict[str, flo
         for (epoch, mini), m in updates:
             line.update({f"{k}/{epoch}.{mini}": float(m[k]) for k in PER_UPDATE if k in m})
     return line
+
+
+def machine() -> str:
+    """What this process computes on, for reports and plot titles: the accelerators' kind
+    and count, or the CPU's model name (as ``lscpu`` gives it) and its core count."""
+    devices = jax.local_devices()
+    if devices[0].platform != "cpu":
+        return f"{len(devices)} x {devices[0].device_kind}"
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0] if names else platform.machine()}, {os.cpu_count()} cores"
 
 
 def peak_memory_bytes() -> int:

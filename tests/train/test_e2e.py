@@ -84,6 +84,15 @@ def test_two_grpo_steps_end_to_end(tmp_path, env):
     assert lines[2].startswith("model: preset tiny, 4.87M parameters") and "width 32" in lines[2]
     assert lines[3].startswith("task: chain_sum") and "16 held-out problems" in lines[3]
     assert "SFT 2 steps x 8 sequences, then GRPO 2 steps x 2 prompts x 4 samples" in lines[3]
+    # the run's GRPO curve: a PNG in the run directory, or how to get one without matplotlib
+    import importlib.util
+
+    plot_line = lines[-1]
+    if importlib.util.find_spec("matplotlib"):
+        assert plot_line == f"plot: {work / 'grpo_curve.png'}"
+        assert (work / "grpo_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert plot_line.startswith("plot: matplotlib is not installed; pip install")
     # progress of the held-out evaluations (tqdm, on stderr)
     assert "eval before: 100%" in out.stderr and "eval after: 100%" in out.stderr
     # retention: GRPO keeps its latest checkpoint (checkpoint.keep=1), the finished SFT
