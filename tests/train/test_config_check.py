@@ -182,3 +182,14 @@ def test_a_key_newer_than_the_saved_config_counts_only_off_its_default(tmp_path)
     cfg.loss.tis_cap = 2.0
     with pytest.raises(ValueError, match=r"loss.tis_cap = 2.0, but the run was started with 0.0"):
         resume.check(cfg, work)
+
+
+def test_a_closed_output_pipe_ends_quietly():
+    """``--config=... --helpfull | head`` ended in a ``BrokenPipeError`` traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train.grpo", f"--config={MICRO}", "--helpfull"], cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141, err[-2000:]
+    assert "BrokenPipeError" not in err and "Traceback" not in err, err[-2000:]
