@@ -2,7 +2,8 @@
 
 Public API:
   ModelConfig, PRESETS, get_config   architecture + dtype policy, named presets
-  Transformer, DecoderOutput         the decoder (hidden states, KV cache, MoE aux loss)
+  Transformer, DecoderOutput         the decoder (hidden states, KV cache, MoE aux loss and
+                                     dropped fraction)
   KVCache, init_cache                fixed-size cache for prefill + decode steps
   load_model, save_model, load_config, CheckpointError   HF safetensors import / export
   load_params                        HF parameters read per process in a mesh layout

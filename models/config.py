@@ -11,7 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from models.attention_ops import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
-from models.ragged_dispatch import DISPATCHES, check_capacity_factor
+from models.ragged_dispatch import DISPATCHES, check_capacity_factor, check_overflow
 from models.scan import REMAT_POLICIES
 from models.sharding import DEFAULT_RULES, normalize_rules
 
@@ -60,8 +60,14 @@ class ModelConfig:
     all-to-all blocks elsewhere: XLA:CPU has no ragged all-to-all), ``"ragged"`` (its CPU
     fallback is an emulation with dense memory, for tests) or ``"dense"``;
     ``expert_capacity_factor`` (ragged only) is None (receive buffers sized for the worst
-    routing: dropless) or ``f > 0`` (``f`` times the balanced load; a token that does not
-    fit gets NaN outputs, never a silent drop). See ``models.ragged_dispatch``.
+    routing: dropless) or ``f > 0`` (``f`` times the balanced load per device; real
+    (token, expert) pairs past it are dropped in GShard's priority order and counted in
+    ``DecoderOutput.dropped_fraction``); ``expert_capacity_overflow`` says what a dropped
+    pair does: ``"drop"`` (default: it adds 0, its token keeps its residual and its other
+    experts, as in GShard / Switch / MaxText) or ``"nan"`` (strict: its token's MoE
+    output is NaN, so the loss is NaN rather than different from the dropless model).
+    Padding (segment id 0) is never dispatched and takes no capacity. See
+    ``models.ragged_dispatch``.
 
     Head: ``final_logit_softcapping`` (Gemma 2 style ``c * tanh(z / c)`` on the logits,
     forwarded to jaxhead) or None.
@@ -80,7 +86,7 @@ class ModelConfig:
     Raises:
       ValueError: inconsistent sizes (heads not divisible, odd head_dim, top-k larger than
         the number of experts, non-positive sizes, an unknown dtype, remat policy or
-        expert dispatch, an expert capacity factor <= 0,
+        expert dispatch or capacity overflow, an expert capacity factor <= 0,
         ``scan_layers`` over mixed dense / MoE layers, ...).
     """
 
@@ -109,6 +115,7 @@ class ModelConfig:
     attention_impl: str = "auto"
     expert_dispatch: str = "auto"
     expert_capacity_factor: float | None = None
+    expert_capacity_overflow: str = "drop"
     sharding_rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = DEFAULT_RULES
     dtype: jnp.dtype | str = "bfloat16"
     param_dtype: jnp.dtype | str = "float32"
@@ -153,6 +160,7 @@ class ModelConfig:
             raise ValueError(f"expert_dispatch must be 'auto' or one of {DISPATCHES}, got "
                              f"{self.expert_dispatch!r}")
         check_capacity_factor(self.expert_capacity_factor)
+        check_overflow(self.expert_capacity_overflow)
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy must be one of {tuple(REMAT_POLICIES)}, got "
                              f"{self.remat_policy!r}")

@@ -4,8 +4,10 @@ Inside ``jax.shard_map`` over the whole mesh, with ``P`` devices on the ``expert
 each owning ``E_l = E / P`` experts (``[E_l, H, I]`` of each projection: no device ever
 holds, or gathers, another device's experts):
 
-1. every device sorts its ``T * k`` (token, expert) pairs by expert id, which groups them
-   by destination device and, within it, by local expert;
+1. every device sorts the (token, expert) pairs of its real tokens by expert id, which
+   groups them by destination device and, within it, by local expert (padding tokens,
+   ``token_mask`` false, have no pair: they take no slot of any block, no expert
+   computes them, and their output is 0);
 2. it packs them into a send buffer ``[P, C, H]`` (row block ``p`` for device ``p``) and
    one ``all_to_all`` over ``expert`` delivers block ``p`` to device ``p``; a second,
    tiny ``all_to_all`` carries the per-(device, expert) counts ``[P, E_l]``;
@@ -15,15 +17,18 @@ holds, or gathers, another device's experts):
 4. results are unsorted to the original pairs and combined with the router weights, in
    float32, exactly as the single-device ``models.experts.dropless_experts``.
 
+(The blocks have a static size, so the all-to-all moves ``P * C`` rows whatever the
+number of real tokens; the ragged path below sends only the real pairs.)
+
 Two dispatch paths (``dispatch``, ``ModelConfig.expert_dispatch``): on TPU and GPU
 ``"auto"`` sends the rows with ``jax.lax.ragged_all_to_all`` (``models.ragged_dispatch``:
 no padded send block, the received rows arrive grouped, and the receive buffer may be
-sized by a capacity factor). XLA:CPU has no ragged all-to-all, so there ``"auto"`` takes
-the dense path described here, dropless with static shapes: the buffers have a fixed
-size sized for the worst case. A token's ``k`` experts are distinct, so one device
-receives at most ``min(k, E_l)`` of its pairs: ``C = T * min(k, E_l)`` rows per
-(source, destination) block, with ``T`` the tokens per device, never overflows whatever
-the routing. Memory per MoE layer per device: the send and receive buffers
+sized by a capacity factor, past which real pairs are dropped, see ``routed_experts``).
+XLA:CPU has no ragged all-to-all, so there ``"auto"`` takes the dense path described
+here, dropless with static shapes: the buffers have a fixed size sized for the worst
+case. A token's ``k`` experts are distinct, so one device receives at most
+``min(k, E_l)`` of its pairs: ``C = T * min(k, E_l)`` rows per (source, destination)
+block, with ``T`` the tokens per device, never overflows whatever the routing. Memory per MoE layer per device: the send and receive buffers
 ``2 * P * C * H`` elements in the compute dtype, plus the expert activations of the
 ``P * C`` received rows (``[P * C, 2 I]`` and a float32 ``[P * C, H]``), i.e. ``P *
 min(k, E_l) / k`` times what the average routing needs. For Qwen3-30B-A3B (H = 2048,
@@ -54,10 +59,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from models.experts import combine, expert_ffn
+from models.experts import combine, expert_ffn, route_valid
 from models.mesh import BATCH_AXES, axis_size, check_divisible, present
 from models.ragged_dispatch import (
     check_capacity_factor,
+    check_overflow,
     mesh_platform,
     ragged_round,
     receive_rows,
@@ -110,16 +116,20 @@ def tokens_per_dispatch(tokens: int, devices: int, top_k: int, local_experts: in
     return 1
 
 
-def _dispatch(x, experts, weights, gate, up, down, *, expert_axis, num, partial):
+def _dispatch(x, experts, weights, token_mask, gate, up, down, *, expert_axis, num,
+              partial):
     """One all-to-all round for ``x [t, H]`` (steps 1-4 of the module docstring); float32
-    ``[t, H]``, a partial sum over the MLP width when ``partial``."""
+    ``[t, H]``, a partial sum over the MLP width when ``partial``, 0 for padding tokens
+    (``token_mask`` false: no pair in any block). Returns ``(y, dropped)``; this path never
+    drops (``dropped`` all false)."""
     tokens, top_k = experts.shape
     local = gate.shape[0]
     cap = capacity(tokens, top_k, local)
     pairs = tokens * top_k
 
     # 1-2. sort pairs by expert (= by destination, then local expert) and pack the blocks
-    flat = experts.reshape(-1)
+    flat, valid = route_valid(experts, token_mask, num * local)
+    flat = flat.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     counts = jnp.bincount(flat, length=num * local).astype(jnp.int32).reshape(num, local)
     send_sizes = counts.sum(axis=1)
@@ -141,17 +151,20 @@ def _dispatch(x, experts, weights, gate, up, down, *, expert_axis, num, partial)
     out = out[jnp.argsort(order2)].reshape(num, cap, -1)
     back = _exchange(out, expert_axis, num).reshape(num * cap, -1)
 
-    # 4. each sorted pair's result sits at (its destination, its rank there)
-    dest = flat[order] // local
+    # 4. each sorted pair's result sits at (its destination, its rank there); padding: 0
+    real = flat[order] < num * local
+    dest = jnp.where(real, flat[order] // local, 0)
     rank = jnp.arange(pairs, dtype=jnp.int32) - send_start[dest]
-    pair_out = back[dest * cap + rank][jnp.argsort(order)].reshape(tokens, top_k, -1)
-    return combine(pair_out, weights, pair_out.dtype)
+    pair_out = jnp.where(real[:, None], back[dest * cap + rank], 0)
+    pair_out = pair_out[jnp.argsort(order)].reshape(tokens, top_k, -1)
+    y = combine(pair_out, jnp.where(valid, weights, 0.0), pair_out.dtype)
+    return y, jnp.zeros(experts.shape, bool)
 
 
-def _shard_body(x, experts, weights, gate, up, down, *, expert_axis, num, gather_axes,
-                sum_axes, max_rows, ragged, native, capacity_factor):
+def _shard_body(x, experts, weights, token_mask, gate, up, down, *, expert_axis, num,
+                gather_axes, sum_axes, max_rows, ragged, native, capacity_factor, overflow):
     """Per-device expert-parallel MoE: the token rounds (``lax.map``) of ``_dispatch``, or
-    of ``models.ragged_dispatch.ragged_round`` when ``ragged``."""
+    of ``models.ragged_dispatch.ragged_round`` when ``ragged``; ``(y, dropped)``."""
     if gather_axes:  # this device's experts only, whole on their hidden dimension
         gate, up = (jax.lax.all_gather(w, gather_axes, axis=1, tiled=True) for w in (gate, up))
         down = jax.lax.all_gather(down, gather_axes, axis=2, tiled=True)
@@ -160,27 +173,30 @@ def _shard_body(x, experts, weights, gate, up, down, *, expert_axis, num, gather
     step = tokens_per_dispatch(tokens, num, top_k, gate.shape[0], max_rows, factor)
     kw = {"expert_axis": expert_axis, "num": num, "partial": bool(sum_axes)}
     if ragged:
-        kw.update(capacity_factor=capacity_factor, native=native)
+        kw.update(capacity_factor=capacity_factor, overflow=overflow, native=native)
 
     @jax.checkpoint  # the backward recomputes one round at a time, never all at once
     def one(args):
         return (ragged_round if ragged else _dispatch)(*args, gate, up, down, **kw)
 
+    args = (x, experts, weights, token_mask)
     if step == tokens:
-        y = one((x, experts, weights))
+        y, dropped = one(args)
     else:
         rounds = tokens // step
-        split = (a.reshape(rounds, step, *a.shape[1:]) for a in (x, experts, weights))
-        y = jax.lax.map(one, tuple(split)).reshape(tokens, -1)
+        split = (a.reshape(rounds, step, *a.shape[1:]) for a in args)
+        y, dropped = jax.lax.map(one, tuple(split))
+        y, dropped = y.reshape(tokens, -1), dropped.reshape(tokens, top_k)
     if sum_axes:
         y = jax.lax.psum(y, sum_axes)
-    return y.astype(x.dtype)
+    return y.astype(x.dtype), dropped
 
 
-def dropless_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array,
-                     up: jax.Array, down: jax.Array, *, mesh, rules=DEFAULT_RULES,
-                     max_rows: int = MAX_DISPATCH_ROWS, dispatch: str = "auto",
-                     capacity_factor: float | None = None) -> jax.Array:
+def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array,
+                   up: jax.Array, down: jax.Array, *, mesh, rules=DEFAULT_RULES,
+                   max_rows: int = MAX_DISPATCH_ROWS, dispatch: str = "auto",
+                   capacity_factor: float | None = None, overflow: str = "drop",
+                   token_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """``models.experts.dropless_experts`` with the experts spread over ``mesh``.
 
     Args:
@@ -197,23 +213,32 @@ def dropless_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate:
         (``models.ragged_dispatch``: ``jax.lax.ragged_all_to_all`` on TPU / GPU, its
         emulation elsewhere), or ``"auto"`` (ragged where the mesh's platform has it,
         else dense; ``models.ragged_dispatch.resolve_dispatch``).
-      capacity_factor: ragged only: None (receive buffers for the worst case) or ``f > 0``
-        (``f`` times the balanced load; a token with a pair past it gets NaN rows, see
-        ``models.ragged_dispatch``).
+      capacity_factor: ragged only: None (receive buffers for the worst case: dropless)
+        or ``f > 0`` (``f`` times the balanced load per device; real pairs past it are
+        dropped by GShard's priority, see ``models.ragged_dispatch``).
+      overflow: ragged with a capacity factor only: ``"drop"`` (a dropped pair adds 0,
+        its token keeps its other experts) or ``"nan"`` (strict: a token with a dropped
+        pair gets NaN rows).
+      token_mask: bool ``[T]`` (split like ``x``): the real tokens; the others (padding)
+        are routed nowhere (not sent, not computed, not counted against the capacity)
+        and their output is 0. None: every token is real.
 
     Returns:
-      ``[T, H]`` in the dtype of ``x``, split like ``x``. Under differentiation the
+      ``(y, dropped)``: ``y [T, H]`` in the dtype of ``x``, split like ``x``; bool
+      ``dropped [T, k]``, the real (token, expert) pairs dropped for capacity (all false
+      without a capacity factor, and on the dense path). Under differentiation the
       per-device body is rematerialised (``jax.checkpoint``): only its inputs are kept
       for the backward pass, which repeats the dispatch, so the worst-case buffers never
       outlive the layer (otherwise every layer would keep them until its backward).
 
     Raises:
       ValueError: ``T`` not divisible by the token shards, or E (or H, I) not divisible by
-        its mesh axes (both numbers named); an unknown ``dispatch`` or a
+        its mesh axes (both numbers named); an unknown ``dispatch`` or ``overflow``, or a
         ``capacity_factor`` <= 0 (named).
     """
     ragged = resolve_dispatch(dispatch, mesh) == "ragged"
     check_capacity_factor(capacity_factor)
+    check_overflow(overflow)
     token_axes = present(mesh, BATCH_AXES)
     check_divisible(x.shape[0], mesh, token_axes, "MoE input (batch x sequence)")
     gate_spec = _nontrivial(logical_to_mesh(
@@ -221,6 +246,8 @@ def dropless_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate:
     down_spec = _nontrivial(logical_to_mesh(
         ("expert", "mlp", "embed"), mesh, rules, down.shape, "MoE down_proj"), mesh)
     expert_axes = _axes(gate_spec[0])
+    if token_mask is None:
+        token_mask = jnp.ones(x.shape[:1], bool)
 
     def body(*args):
         return _shard_body(
@@ -228,11 +255,12 @@ def dropless_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate:
             gather_axes=_axes(gate_spec[1]), sum_axes=_axes(gate_spec[2]),
             max_rows=max_rows, ragged=ragged,
             native=mesh_platform(mesh) in ("tpu", "gpu"), capacity_factor=capacity_factor,
+            overflow=overflow,
         )
 
     tok = P(token_axes or None)
     run = jax.shard_map(
         jax.checkpoint(body), mesh=mesh,
-        in_specs=(tok, tok, tok, gate_spec, gate_spec, down_spec), out_specs=tok,
+        in_specs=(tok, tok, tok, tok, gate_spec, gate_spec, down_spec), out_specs=(tok, tok),
     )
-    return run(x, experts, weights, gate, up, down)
+    return run(x, experts, weights, token_mask, gate, up, down)

@@ -1,5 +1,6 @@
 """Dropless expert computation on one device: grouped SwiGLU (``ragged_dot``) and the
-weighted combination of each token's top-k expert outputs."""
+weighted combination of each token's top-k expert outputs. Padding tokens (a token
+mask) belong to no expert group: they are not computed and their output is 0."""
 
 from __future__ import annotations
 
@@ -70,28 +71,51 @@ def combine(outputs: jax.Array, weights: jax.Array, dtype) -> jax.Array:
     return jnp.einsum("tkh,tk->th", outputs.astype(dtype).astype(jnp.float32), weights)
 
 
+def route_valid(experts: jax.Array, token_mask: jax.Array | None, num_experts: int):
+    """``experts`` with the pairs of masked-out tokens moved to expert id ``num_experts``
+    (past every group: sorted last, counted by no ``bincount(length=num_experts)``, sent
+    and computed nowhere), and the bool ``[T, k]`` mask of the real pairs.
+
+    Args:
+      experts: int32 ``[T, k]`` expert ids in ``[0, num_experts)``.
+      token_mask: bool ``[T]`` real tokens, or None (all).
+      num_experts: E (all experts, on every device of the expert axis).
+    """
+    if token_mask is None:
+        return experts, jnp.ones(experts.shape, bool)
+    valid = jnp.broadcast_to(token_mask[:, None], experts.shape)
+    return jnp.where(valid, experts, num_experts).astype(experts.dtype), valid
+
+
 def dropless_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array,
-                     up: jax.Array, down: jax.Array) -> jax.Array:
-    """``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])`` for every token, no drops.
+                     up: jax.Array, down: jax.Array,
+                     token_mask: jax.Array | None = None) -> jax.Array:
+    """``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])`` for every real token, no drops.
 
     The ``T * k`` (token, expert) pairs are sorted by expert id; each SwiGLU projection is
     a ``ragged_dot`` whose groups are the experts' contiguous runs; results are unsorted
-    and combined in float32. (All experts on this device; ``models.expert_parallel``
-    spreads them over a mesh.)
+    and combined in float32. The pairs of padding tokens (``token_mask`` false) sort
+    after every group: ``ragged_dot`` gives them zeros (a grouped implementation, as on
+    TPU / GPU, skips them; XLA:CPU's dense lowering multiplies and masks them), so a
+    padding token's output is exactly 0 and its rows get no gradient. (All experts on
+    this device; ``models.expert_parallel`` spreads them over a mesh.)
 
     Args:
       x: ``[T, H]`` compute dtype.
       experts: int32 ``[T, k]`` expert ids in ``[0, E)``.
       weights: float32 ``[T, k]`` combine weights.
       gate, up: ``[E, H, I]``; down: ``[E, I, H]``; same dtype as ``x``.
+      token_mask: bool ``[T]``: the tokens to compute (False: padding, output 0); None:
+        all.
 
     Returns:
       ``[T, H]`` in the dtype of ``x``.
     """
     num_tokens, top_k = experts.shape
-    flat = experts.reshape(-1)
+    flat, valid = route_valid(experts, token_mask, gate.shape[0])
+    flat = flat.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
     out = expert_ffn(x[order // top_k], group_sizes, gate, up, down)
     out = out[jnp.argsort(order)].reshape(num_tokens, top_k, -1)
-    return combine(out, weights, x.dtype).astype(x.dtype)
+    return combine(out, jnp.where(valid, weights, 0.0), x.dtype).astype(x.dtype)

@@ -1,15 +1,24 @@
-"""Qwen3-MoE sparse block: softmax top-k router and dropless experts (grouped matmul).
+"""Qwen3-MoE sparse block: softmax top-k router and experts (grouped matmul).
 
-Every token reaches all of its top-k experts, whatever the routing imbalance: the
-(token, expert) pairs are sorted by expert and multiplied with ``jax.lax.ragged_dot``
-(one group per expert), so there is no capacity and nothing is dropped. A token dropped
-in training but not in sampling would silently corrupt RL log-probs.
+By default every real token reaches all of its top-k experts, whatever the routing
+imbalance: the (token, expert) pairs are sorted by expert and multiplied with
+``jax.lax.ragged_dot`` (one group per expert), so there is no capacity and nothing is
+dropped. Padding (segment id 0, the ``token_mask``) is never dispatched: its pairs are in
+no expert group and no all-to-all block, no expert computes them, it takes no capacity,
+its MoE output is 0 (the residual carries it) and the router statistics (so the
+load-balancing loss) leave it out. So adding padding rows or padding tokens changes no
+real token's output.
 
 Under a device mesh (``jax.set_mesh``, e.g. via ``models.sharding.jit_sharded``) the
 experts run expert-parallel: ``models.expert_parallel`` (``ModelConfig.expert_dispatch``:
-ragged all-to-all on TPU / GPU, ``models.ragged_dispatch``; worst-case blocks on CPU). With
-``ModelConfig.expert_capacity_factor`` set, a token that overflows the ragged receive
-buffer gets NaN outputs instead of being dropped.
+ragged all-to-all on TPU / GPU, ``models.ragged_dispatch``; worst-case blocks on CPU).
+With ``ModelConfig.expert_capacity_factor`` set, the ragged receive buffer holds ``f``
+times the balanced load; real pairs past it are dropped in GShard's priority order (a
+dropped pair adds 0: its token keeps its residual and its other experts, with their
+router weights unchanged) and counted (``RouterStats.dropped``, the step's
+``DecoderOutput.dropped_fraction``); ``ModelConfig.expert_capacity_overflow="nan"``
+(strict) gives those tokens NaN outputs instead. A drop changes the trained model away
+from the sampled one (RL log-probs), so watch the dropped fraction, or stay dropless.
 """
 
 from __future__ import annotations
@@ -33,11 +42,13 @@ class RouterStats(NamedTuple):
       assignments: ``[E]`` number of (token, expert) top-k assignments per expert.
       probs: ``[E]`` sum over tokens of the router probability of each expert.
       tokens: scalar number of tokens counted (padding excluded).
+      dropped: scalar number of real (token, expert) pairs dropped for capacity.
     """
 
     assignments: jax.Array
     probs: jax.Array
     tokens: jax.Array
+    dropped: jax.Array
 
 
 def route(logits: jax.Array, top_k: int, norm_topk_prob: bool):
@@ -76,6 +87,7 @@ class MoE(nnx.Module):
             cfg.norm_topk_prob
         self.rules = cfg.sharding_rules  # where the experts live under a mesh
         self.dispatch, self.capacity_factor = cfg.expert_dispatch, cfg.expert_capacity_factor
+        self.overflow = cfg.expert_capacity_overflow
         self.router = param(rngs, (h, e), ("embed", "expert"), pd)
         self.gate_proj = param(rngs, (e, h, i), ("expert", "embed", "mlp"), pd, in_axes=(1,))
         self.up_proj = param(rngs, (e, h, i), ("expert", "embed", "mlp"), pd, in_axes=(1,))
@@ -86,8 +98,8 @@ class MoE(nnx.Module):
 
         Args:
           x: ``[B, T, H]`` normed hidden states.
-          token_mask: bool ``[B, T]``: tokens counted in the router statistics (padding
-            is still routed and computed, but not counted).
+          token_mask: bool ``[B, T]``: the real tokens; the others (padding) are not
+            dispatched, get output 0 and are not counted in the router statistics.
 
         Returns:
           ``(y [B, T, H] compute dtype, RouterStats)``.
@@ -100,16 +112,20 @@ class MoE(nnx.Module):
         probs, weights, experts = route(logits, self.top_k, self.norm_topk_prob)
         params = (self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt),
                   self.down_proj[...].astype(dt))
+        mask = token_mask.reshape(-1)
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:
-            y = dropless_experts(flat, experts, weights, *params)
+            y = dropless_experts(flat, experts, weights, *params, token_mask=mask)
+            dropped = jnp.zeros((), jnp.float32)
         else:
-            y = expert_parallel.dropless_experts(
+            y, lost = expert_parallel.routed_experts(
                 flat, experts, weights, *params, mesh=mesh, rules=self.rules,
-                dispatch=self.dispatch, capacity_factor=self.capacity_factor)
-        m = token_mask.reshape(-1).astype(jnp.float32)
+                dispatch=self.dispatch, capacity_factor=self.capacity_factor,
+                overflow=self.overflow, token_mask=mask)
+            dropped = jnp.sum(lost, dtype=jnp.float32)
+        m = mask.astype(jnp.float32)
         onehot = jax.nn.one_hot(experts, probs.shape[-1], dtype=jnp.float32).sum(axis=1)
-        stats = RouterStats(m @ onehot, m @ probs, jnp.sum(m))
+        stats = RouterStats(m @ onehot, m @ probs, jnp.sum(m), dropped)
         return y.reshape(shape), stats
 
 
@@ -130,3 +146,17 @@ def load_balancing_loss(stats: list[RouterStats]) -> jax.Array:
     probs = sum(s.probs for s in stats)
     tokens = jnp.maximum(sum(s.tokens for s in stats), 1.0)
     return assignments.shape[0] * jnp.sum((assignments / tokens) * (probs / tokens))
+
+
+def dropped_fraction(stats: list[RouterStats], top_k: int) -> jax.Array:
+    """Fraction of the real (token, expert) pairs dropped for capacity, pooled over the
+    MoE layers: ``sum dropped / (top_k * sum tokens)`` (0 without a capacity factor).
+
+    Args:
+      stats: one ``RouterStats`` per MoE layer (non-empty). top_k: experts per token.
+
+    Returns:
+      float32 scalar in ``[0, 1]``.
+    """
+    pairs = top_k * sum(s.tokens for s in stats)
+    return sum(s.dropped for s in stats) / jnp.maximum(pairs, 1.0)

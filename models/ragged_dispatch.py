@@ -4,13 +4,18 @@ worst-case ``[P, C, H]`` blocks of ``models.expert_parallel``.
 One round, inside ``jax.shard_map``, per device (``P`` devices on the expert axis, each
 owning ``E_l`` experts, ``t`` tokens, ``k`` experts per token):
 
-1. the ``t * k`` (token, expert) pairs are sorted by expert id, which is by destination
-   device and then local expert: the send operand is exactly ``[t * k, H]`` (no padding),
-   cut into ``P * E_l`` slices, one per (destination, local expert);
-2. one small ``all_to_all`` carries each slice's size and start to its receiver
-   (``[P, 2, E_l]`` int32); the receiver lays its rows out grouped by local expert (and by
-   source within an expert) in a buffer of ``R`` rows, and a second small ``all_to_all``
-   tells every sender where its slices land;
+1. the (token, expert) pairs of the real tokens are sorted by expert id (which is by
+   destination device, then local expert), then by choice rank (a token's best expert
+   first), then by token: the send operand is ``[t * k, H]``, cut into ``P * E_l``
+   slices, one per (destination, local expert). Padding tokens (the token mask) have no
+   pair in any slice: they are not sent, not computed, not counted against the capacity,
+   and their output is 0;
+2. one small ``all_to_all`` carries each slice's size per choice rank and its start to
+   its receiver (``[P, k + 1, E_l]`` int32); the receiver decides how many rows of each
+   slice it keeps (the capacity rule below), lays them out grouped by local expert (and
+   by source within an expert) in a buffer of ``R`` rows, and a second small
+   ``all_to_all`` tells every sender how many rows of each slice to send and where they
+   land;
 3. ``ragged_all_to_all`` delivers the rows, already grouped: the grouped SwiGLU
    (``models.experts.expert_ffn``) runs on the ``R`` rows with no re-sort;
 4. a second ``ragged_all_to_all`` sends each result back to its sender's ``[t * k, H]``
@@ -21,10 +26,28 @@ Receive buffer (``receive_rows``): it must be allocated before the sizes are kno
 ``R = P * t * min(k, E_l)`` (every pair of every source may pick this device): dropless
 whatever the routing, as MaxText's default ``ragged_buffer_factor=-1``. A float ``f``
 gives ``R = ceil(f * t * k)`` rows (``f`` times the perfectly balanced load, as MaxText's
-``ragged_buffer_factor > 0``); but where MaxText then drops the overflowing tokens, here a
-pair that does not fit is detected (its slice arrives shorter than sent) and the output
-rows of its token are NaN: the step's loss is NaN, never silently wrong (as a KV cache
-overflow, ``models.transformer``). Choose ``f`` from the measured routing skew.
+``ragged_buffer_factor > 0``), shared by the device's ``E_l`` experts and its ``P``
+sources: real pairs overflow only when more than ``R`` of them pick this device.
+
+Capacity rule (``kept_rows``): when they do, the device keeps its real pairs in GShard's
+priority order (Lepikhin et al. 2020, Algorithm 1: every token's first choice before any
+token's second choice, and so on), within a choice rank by source device, local expert
+and token, up to ``R``; the rest are dropped. With one expert per device (``E_l = 1``)
+this is exactly GShard's per-expert capacity rule over the round's tokens of the expert
+axis; with several, the device's buffer is the capacity unit (fewer drops for the same
+memory than ``E_l`` separate per-expert capacities). Then, as in GShard, Switch (Fedus et
+al. 2021, "dropped tokens" pass through the residual) and MaxText (``capacity_factor``
+masks; ``ragged_buffer_factor`` truncation): ``overflow="drop"`` (default) gives the
+dropped pair output 0, so its token keeps its residual and its other experts' outputs,
+with their router weights unchanged (not renormalised over the kept experts: GShard
+normalises the top-2 gates before the capacity check and multiplies the dropped one by a
+zero mask, MaxText ``generate_masks`` multiplies the weights by the kept mask; a
+renormalisation would make a token's output depend on other tokens' routing through the
+capacity, and move gradient to the kept experts' weights). Each round reports the dropped
+pairs (``MoE`` turns them into the step's dropped fraction). ``overflow="nan"`` (strict)
+instead gives every token with a dropped pair NaN outputs: the step's loss is NaN, never
+silently different from the dropless model. Choose ``f`` from the measured dropped
+fraction or routing skew.
 
 Compared with the dense path, the ``[P, C, H]`` send block becomes ``[t * k, H]`` and
 the return block ``[t * k, H]``; with a capacity factor the receive buffer and the expert
@@ -38,7 +61,8 @@ Gradients: jax's transpose rule of ``ragged_all_to_all`` is another ``ragged_all
 (``jax._src.lax.parallel._ragged_all_to_all_transpose``).
 
 Sources: MaxText ``layers/moe.py`` (``ragged_all_to_all`` dispatch,
-``ragged_buffer_factor``); the ``jax.lax.ragged_all_to_all`` docstring.
+``ragged_buffer_factor``, ``generate_masks``); the ``jax.lax.ragged_all_to_all``
+docstring; GShard (Lepikhin et al. 2020), Switch Transformers (Fedus et al. 2021).
 """
 
 from __future__ import annotations
@@ -48,10 +72,13 @@ import math
 import jax
 import jax.numpy as jnp
 
-from models.experts import combine, expert_ffn
+from models.experts import combine, expert_ffn, route_valid
 
 #: ``ModelConfig.expert_dispatch`` values; ``"auto"`` picks by the mesh's platform.
 DISPATCHES = ("ragged", "dense")
+#: ``ModelConfig.expert_capacity_overflow`` values: what a real pair past the capacity
+#: gets (the module docstring).
+OVERFLOWS = ("drop", "nan")
 _NATIVE = ("tpu", "gpu", "cuda", "rocm")
 
 
@@ -89,6 +116,17 @@ def check_capacity_factor(factor: float | None) -> None:
         raise ValueError(f"expert_capacity_factor must be None or > 0, got {factor!r}")
 
 
+def check_overflow(overflow: str) -> None:
+    """Raise unless ``overflow`` is one of ``OVERFLOWS``.
+
+    Raises:
+      ValueError: naming ``overflow``.
+    """
+    if overflow not in OVERFLOWS:
+        raise ValueError(f"expert_capacity_overflow must be one of {OVERFLOWS}, got "
+                         f"{overflow!r}")
+
+
 def receive_rows(tokens: int, devices: int, top_k: int, local_experts: int,
                  capacity_factor: float | None) -> int:
     """Rows of one round's receive buffer for ``tokens`` tokens per device: the worst
@@ -124,15 +162,39 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
                                           mode="drop")
 
 
-def ragged_round(x, experts, weights, gate, up, down, *, expert_axis, num, partial,
-                 capacity_factor, native):
-    """One ragged round for ``x [t, H]`` (steps 1-4 of the module docstring); float32
-    ``[t, H]`` (a partial sum over the MLP width when ``partial``), NaN rows for tokens
-    with a pair past the receive buffer. ``native``: ``jax.lax.ragged_all_to_all``, else
-    ``emulated_ragged_all_to_all``."""
+def kept_rows(ranked: jax.Array, rows: int) -> jax.Array:
+    """The capacity rule (module docstring): how many rows of each source's slice for
+    each local expert a device keeps.
+
+    Args:
+      ranked: int32 ``[P, k, E_l]``: the pairs each source sends to each local expert,
+        by the choice rank they have in their token's top-k.
+      rows: the receive buffer ``R``.
+
+    Returns:
+      int32 ``[P, E_l]``: the first rows of each slice (sorted by rank, then token) the
+      device keeps; they sum to ``min(R, ranked.sum())``, filled in the order (rank,
+      source, local expert).
+    """
+    sources, top_k, local = ranked.shape
+    by_priority = ranked.transpose(1, 0, 2).reshape(-1)
+    before = jnp.cumsum(by_priority) - by_priority
+    kept = jnp.clip(rows - before, 0, by_priority)
+    return kept.reshape(top_k, sources, local).sum(axis=0)
+
+
+def ragged_round(x, experts, weights, token_mask, gate, up, down, *, expert_axis, num,
+                 partial, capacity_factor, overflow, native):
+    """One ragged round for ``x [t, H]`` (steps 1-4 of the module docstring).
+
+    Returns ``(y, dropped)``: float32 ``y [t, H]`` (a partial sum over the MLP width when
+    ``partial``; 0 for padding tokens, NaN for tokens with a dropped pair when
+    ``overflow == "nan"``) and bool ``dropped [t, k]``, the real pairs past the capacity.
+    ``token_mask``: bool ``[t]`` real tokens. ``native``: ``jax.lax.ragged_all_to_all``,
+    else ``emulated_ragged_all_to_all``."""
     tokens, top_k = experts.shape
     local = gate.shape[0]
-    pairs = tokens * top_k
+    total, pairs = num * local, tokens * top_k
     rows = receive_rows(tokens, num, top_k, local, capacity_factor)
 
     def a2a(a):
@@ -145,38 +207,42 @@ def ragged_round(x, experts, weights, gate, up, down, *, expert_axis, num, parti
         return emulated_ragged_all_to_all(operand, output, *offsets_sizes,
                                           axis_name=expert_axis, num=num)
 
-    # 1. sort the pairs by expert: slice (destination, local expert) of the send operand
-    flat = experts.reshape(-1)
+    # 1. sort the real pairs by (expert, rank, token): pair i = rank * t + token here
+    flat, valid = route_valid(experts, token_mask, total)
+    flat = flat.T.reshape(-1)
+    rank = jnp.arange(pairs, dtype=jnp.int32) // tokens
     order = jnp.argsort(flat, stable=True)
-    counts = jnp.bincount(flat, length=num * local).astype(jnp.int32)
+    ranked = jnp.bincount(jnp.where(flat < total, rank * total + flat, top_k * total),
+                          length=top_k * total).astype(jnp.int32).reshape(top_k, num, local)
+    counts = ranked.sum(axis=0).reshape(-1)
     starts = jnp.cumsum(counts) - counts
-    send = x[order // top_k]  # [pairs, H]
+    send = x[order % tokens]  # [pairs, H]
 
-    # 2. receiver layout [source, local expert]: grouped by expert, then by source
-    got = a2a(jnp.stack([counts, starts]).reshape(2, num, local).transpose(1, 0, 2))
-    recv_counts, sender_starts = got[:, 0], got[:, 1]
-    group = recv_counts.sum(axis=0)
-    group_start = jnp.cumsum(group) - group
-    place = group_start + jnp.cumsum(recv_counts, axis=0) - recv_counts
-    lo = jnp.minimum(place, rows)
-    fits = jnp.minimum(place + recv_counts, rows) - lo  # rows that fit the buffer
-    back_info = a2a(jnp.stack([lo, fits], axis=1))  # sender's view [destination, 2, local]
+    # 2. the receiver keeps rows by the capacity rule, laid out [local expert, source]
+    got = a2a(jnp.concatenate([ranked.transpose(1, 0, 2), starts.reshape(num, 1, local)],
+                              axis=1))
+    kept = kept_rows(got[:, :top_k], rows)  # [source, local expert]
+    sender_starts = got[:, top_k]
+    group = kept.sum(axis=0)
+    place = jnp.cumsum(group) - group + jnp.cumsum(kept, axis=0) - kept
+    back_info = a2a(jnp.stack([place, kept], axis=1))  # sender's view [destination, 2, local]
     out_offsets, send_sizes = back_info[:, 0].reshape(-1), back_info[:, 1].reshape(-1)
 
     # 3. deliver, grouped by local expert; the grouped SwiGLU
     recv = ragged(send, jnp.zeros((rows, x.shape[1]), x.dtype), starts, send_sizes,
-                  out_offsets, fits.reshape(-1))
-    sizes = jnp.minimum(group_start + group, rows) - jnp.minimum(group_start, rows)
-    out = expert_ffn(recv, sizes, gate, up, down)
+                  out_offsets, kept.reshape(-1))
+    out = expert_ffn(recv, group, gate, up, down)
     out = out if partial else out.astype(x.dtype)  # partial sums stay float32
 
-    # 4. back to each pair's sorted position, unsort, combine
-    back = ragged(out, jnp.zeros((pairs, x.shape[1]), out.dtype), lo.reshape(-1),
-                  fits.reshape(-1), sender_starts.reshape(-1), send_sizes)
-    pair_out = back[jnp.argsort(order)].reshape(tokens, top_k, -1)
-    y = combine(pair_out, weights, pair_out.dtype)
-    if capacity_factor is None:
-        return y
-    rank = jnp.arange(pairs, dtype=jnp.int32) - starts[flat[order]]
-    lost = (rank >= send_sizes[flat[order]])[jnp.argsort(order)].reshape(tokens, top_k)
-    return jnp.where(lost.any(axis=1, keepdims=True), jnp.nan, y)
+    # 4. back to each pair's sorted position (dropped pairs: zeros), unsort, combine
+    back = ragged(out, jnp.zeros((pairs, x.shape[1]), out.dtype), place.reshape(-1),
+                  kept.reshape(-1), sender_starts.reshape(-1), send_sizes)
+    where = jnp.argsort(order).reshape(top_k, tokens).T  # [t, k]: each pair's sorted slot
+    pair_out = back[where.reshape(-1)].reshape(tokens, top_k, -1)
+    slice_of = jnp.minimum(flat[order], total - 1)
+    past = jnp.arange(pairs, dtype=jnp.int32) - starts[slice_of] >= send_sizes[slice_of]
+    dropped = valid & past[where]
+    y = combine(pair_out, jnp.where(valid, weights, 0.0), pair_out.dtype)
+    if overflow == "nan":
+        y = jnp.where(dropped.any(axis=1, keepdims=True), jnp.nan, y)
+    return y, dropped

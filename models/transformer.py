@@ -15,7 +15,7 @@ from models.cache import KVCache, check_room, init_cache, layer_view, write_toke
 from models.config import ModelConfig
 from models.layers import MLP, RMSNorm, embedding
 from models.mesh import BATCH_AXES, active_mesh, present
-from models.moe import MoE, RouterStats, load_balancing_loss
+from models.moe import MoE, RouterStats, dropped_fraction, load_balancing_loss
 from models.scan import REMAT_POLICIES, layer_at, scan_layers, stack_modules
 
 
@@ -28,11 +28,15 @@ class DecoderOutput(NamedTuple):
       cache: the updated ``KVCache`` (None when no cache was given).
       aux_loss: float32 scalar load-balancing loss over the MoE layers (0 for a dense
         model); weight it with ``cfg.router_aux_loss_coef`` if the trainer uses it.
+      dropped_fraction: float32 scalar: the fraction of the real (token, expert) pairs
+        the MoE layers dropped for capacity (``models.moe.dropped_fraction``; 0 for a
+        dense model and without ``cfg.expert_capacity_factor``).
     """
 
     hidden: jax.Array
     cache: KVCache | None
     aux_loss: jax.Array
+    dropped_fraction: jax.Array
 
 
 class DecoderLayer(nnx.Module):
@@ -122,7 +126,8 @@ class Transformer(nnx.Module):
           cache: optional ``KVCache``.
 
         Returns:
-          ``DecoderOutput(hidden [B, T, H] compute dtype, cache, aux_loss)``.
+          ``DecoderOutput(hidden [B, T, H] compute dtype, cache, aux_loss,
+          dropped_fraction)``.
 
         Raises:
           ValueError: ``tokens``, ``positions`` and ``segment_ids`` shapes differ or are
@@ -146,11 +151,13 @@ class Transformer(nnx.Module):
             x, cache, stats = self._loop(x, positions, segment_ids, cache)
         if cache is not None:
             cache = cache._replace(index=cache.index + tokens.shape[1])
-        aux = load_balancing_loss(stats) if stats else jnp.zeros((), jnp.float32)
+        zero = jnp.zeros((), jnp.float32)
+        aux = load_balancing_loss(stats) if stats else zero
+        dropped = dropped_fraction(stats, self.cfg.num_experts_per_tok) if stats else zero
         hidden = self.norm(x)
         if overflow is not None:  # traced index past the cache: NaN, never a wrong value
             hidden = jnp.where(overflow, jnp.nan, hidden)
-        return DecoderOutput(hidden, cache, aux)
+        return DecoderOutput(hidden, cache, aux, dropped)
 
     def _scan(self, x, positions, segment_ids) -> tuple[jax.Array, list[RouterStats]]:
         """The stacked layers over ``x`` ``[B, T, H]`` with ``jax.lax.scan``; the router
@@ -208,7 +215,7 @@ class Transformer(nnx.Module):
         bucket: int | None = None,
         token_axes: tuple[str, ...] | None = None,
         min_logit: jax.Array | None = None,
-    ) -> tuple[jaxhead.HeadOutput, jax.Array]:
+    ) -> tuple[jaxhead.HeadOutput, DecoderOutput]:
         """Decoder forward, then the jaxhead head on the kept tokens: the one function
         through which the trainer reads every log-prob of the model.
 
@@ -232,7 +239,9 @@ class Transformer(nnx.Module):
             mesh's ``models.mesh.BATCH_AXES``); ignored on one device.
 
         Returns:
-          ``(HeadOutput(logprobs, entropy) float32 [B, S], aux_loss)``; 0 where not kept.
+          ``(HeadOutput(logprobs, entropy) float32 [B, S], DecoderOutput)``: log-probs
+          and entropy 0 where not kept; the decoder's output (its ``aux_loss`` and
+          ``dropped_fraction``).
 
         Raises:
           ValueError / TypeError: as ``jaxhead.token_logprobs`` and ``__call__``.
@@ -246,4 +255,4 @@ class Transformer(nnx.Module):
         else:
             axes = present(mesh, BATCH_AXES) if token_axes is None else tuple(token_axes)
             head = self.lm_head.sharded(out.hidden, labels, keep, token_axes=axes, **kw)
-        return head, out.aux_loss
+        return head, out

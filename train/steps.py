@@ -52,7 +52,8 @@ def _head_args(b, *, skip: bool, bucket: int) -> dict:
 
 def _policy(mdef: ModelDef, params: Params, b, *, skip: bool, bucket: int, temperature: float,
             with_entropy: bool, frozen: tuple[str, ...] = ()):
-    """``(HeadOutput, aux_loss)`` of ``params`` on the batch (``Transformer.token_logprobs``)."""
+    """``(HeadOutput, DecoderOutput)`` of ``params`` on the batch
+    (``Transformer.token_logprobs``)."""
     model = mdef.merge(_stop_frozen(params, frozen))
     min_logit = None  # the rollouts' truncated support, when the batch carries it
     if "min_logit" in b:
@@ -65,6 +66,15 @@ def _policy(mdef: ModelDef, params: Params, b, *, skip: bool, bucket: int, tempe
 
 def _aux_weight(mdef: ModelDef) -> float:
     return mdef.cfg.router_aux_loss_coef if mdef.cfg.is_moe else 0.0
+
+
+def _moe_metrics(mdef: ModelDef, out, parts: int = 1) -> dict:
+    """``moe_dropped_fraction`` (the real (token, expert) pairs the MoE dropped for
+    capacity, ``DecoderOutput.dropped_fraction``) for an MoE model, nothing for a dense
+    one; as one of ``parts`` micro-batches, its share of their mean (``_combine`` sums)."""
+    if not mdef.cfg.is_moe:
+        return {}
+    return {"moe_dropped_fraction": out.dropped_fraction / parts}
 
 
 def _apply(tx, params, opt_state, grads):
@@ -87,22 +97,23 @@ def sft_step(mdef: ModelDef, tx: optax.GradientTransformation,
     Loss: ``-sum(w logp) / sum(w)`` with CE weights ``w = loss_mask`` (completion tokens),
     plus the MoE load-balancing loss weighted by ``router_aux_loss_coef``. ``bucket`` is
     static; ``params`` and ``opt_state`` are donated. Metrics: ``loss``, ``nll`` (nats per
-    completion token), ``grad_norm``. ``frozen``: parameter-name prefixes without gradient
+    completion token), ``grad_norm``, and for an MoE model ``moe_dropped_fraction``
+    (``_moe_metrics``). ``frozen``: parameter-name prefixes without gradient
     (``optim.frozen``). ``placement``: the run's ``train.placement.Placement`` (None: one
     device).
     """
 
     def loss_fn(params, b, bucket):
-        head, aux = _policy(mdef, params, b, skip=skip, bucket=bucket, temperature=1.0,
+        head, out = _policy(mdef, params, b, skip=skip, bucket=bucket, temperature=1.0,
                             with_entropy=False, frozen=frozen)
         w = b["loss_mask"]
         nll = -(head.logprobs * w).sum() / jnp.maximum(w.sum(), 1.0)
-        return nll + _aux_weight(mdef) * aux, nll
+        return nll + _aux_weight(mdef) * out.aux_loss, {"nll": nll, **_moe_metrics(mdef, out)}
 
     def step(params, opt_state, b, bucket):
-        (loss, nll), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, b, bucket)
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, b, bucket)
         params, opt_state, gnorm = _apply(tx, params, opt_state, grads)
-        return params, opt_state, {"loss": loss, "nll": nll, "grad_norm": gnorm}
+        return params, opt_state, {"loss": loss, **metrics, "grad_norm": gnorm}
 
     return _jit(step, placement, lambda: placement.update_shardings(tx),
                 static_argnames="bucket", donate_argnums=(0, 1))
@@ -128,20 +139,21 @@ def grpo_loss_fn(mdef: ModelDef, loss_cfg: rl_loss.LossConfig, temperature: floa
     """``(params, batch, ref_logp, num_seqs, bucket, norm=None, parts=1) -> (loss,
     (metrics, logp))``, the differentiable GRPO objective on a packed batch whose values
     hold ``old_logp`` (the sampler's), ``advantages`` and optionally ``trainer_logp``
-    (``train.rl_loss.grpo_loss`` plus the MoE load-balancing loss). ``norm``
-    (``rl_loss.LossNorm``) and ``parts``: the batch is one of ``parts`` micro-batches of
-    a mini-batch with these counts; the load-balancing loss of each enters with weight
-    ``1 / parts``."""
+    (``train.rl_loss.grpo_loss`` plus the MoE load-balancing loss); the metrics are
+    ``grpo_loss``'s and ``_moe_metrics``. ``norm`` (``rl_loss.LossNorm``) and ``parts``:
+    the batch is one of ``parts`` micro-batches of a mini-batch with these counts; the
+    load-balancing loss of each enters with weight ``1 / parts``."""
 
     def loss_fn(params, b, ref_logp, num_seqs, bucket, norm=None, parts=1):
-        head, aux = _policy(mdef, params, b, skip=skip, bucket=bucket,
+        head, out = _policy(mdef, params, b, skip=skip, bucket=bucket,
                             temperature=temperature, with_entropy=True, frozen=frozen)
         loss, metrics = rl_loss.grpo_loss(
             loss_cfg, head.logprobs, b["old_logp"], b["advantages"], b["loss_mask"],
             b["seq_index"], num_seqs, ref_logp=ref_logp, entropy=head.entropy,
             trainer_logp=b.get("trainer_logp"), norm=norm)
         aux_weight = _aux_weight(mdef) if parts == 1 else _aux_weight(mdef) / parts
-        return loss + aux_weight * aux, (metrics, head.logprobs)
+        metrics = {**metrics, **_moe_metrics(mdef, out, parts)}
+        return loss + aux_weight * out.aux_loss, (metrics, head.logprobs)
 
     return loss_fn
 
@@ -203,9 +215,10 @@ def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_los
     None) with ``norm``, the ``rl_loss.LossNorm`` of the mini-batch they split: the
     gradient and the metrics are the mini-batch's, whatever the split (``_accumulate``).
 
-    Besides ``grpo_loss``'s metrics: ``loss``, ``grad_norm`` and the sampler-vs-trainer
+    Besides ``grpo_loss``'s metrics: ``loss``, ``grad_norm``, the sampler-vs-trainer
     log-prob gap on the completion tokens before the update (``logprob_diff_mean``,
-    ``logprob_diff_max``: ``|logp_trainer - logp_sampler|``).
+    ``logprob_diff_max``: ``|logp_trainer - logp_sampler|``) and for an MoE model
+    ``moe_dropped_fraction`` (``_moe_metrics``).
 
     ``placement``: a multi-device ``train.placement.Placement`` compiles the step with
     its out-shardings under its mesh; None or one device: plain ``jax.jit``.

@@ -1,7 +1,7 @@
 """Ragged expert dispatch (``models.ragged_dispatch``): on 8 CPU devices (emulated
 ``ragged_all_to_all``, in a subprocess) equal to the dense dispatch and to one device,
-forward and gradients, float32, random and skewed routing; a capacity overflow gives NaN
-rows; the ``"auto"`` choice and the config checks."""
+forward and gradients, float32, random and skewed routing; a capacity overflow in strict
+mode gives NaN rows; the ``"auto"`` choice and the config checks."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def test_ragged_equals_dense_and_one_device():
     assert r["factor2_random"]["value"] <= TOL, r["factor2_random"]
     assert r["factor2_random"]["grads"] <= TOL, r["factor2_random"]
     # all 128 tokens pick experts 5 and 4 (one device): 2x the balanced load holds the
-    # pairs of expert 4 only, so every token lost one pair and is NaN, none silently wrong
+    # first choices (expert 5) only, so every token lost one pair and, in strict mode, is
+    # NaN, none silently different
     assert r["factor2_skewed_nan_rows"] == 128 and r["factor2_skewed_finite_rows"] == 0, r
     assert r["emulation_docstring_example"] == [[1, 3, 0, 0], [2, 2, 4, 0]]
 

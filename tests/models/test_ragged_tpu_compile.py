@@ -41,9 +41,9 @@ def _compile(dispatch: str, capacity_factor=None):
             jax.ShapeDtypeStruct((EXPERTS, MLP, HIDDEN), bf16))
 
     def loss(x, experts, weights, gate, up, down):
-        y = expert_parallel.dropless_experts(x, experts, weights, gate, up, down, mesh=mesh,
-                                             dispatch=dispatch,
-                                             capacity_factor=capacity_factor)
+        y, _ = expert_parallel.routed_experts(x, experts, weights, gate, up, down, mesh=mesh,
+                                              dispatch=dispatch,
+                                              capacity_factor=capacity_factor)
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     with jax.set_mesh(mesh):

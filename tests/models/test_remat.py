@@ -22,8 +22,8 @@ def loss_and_grads(model, tokens):
 
     def loss(params):
         m = nnx.merge(graphdef, params, rest)
-        out, aux = m.token_logprobs(tokens, positions, segment_ids, labels)
-        return -(out.logprobs.mean() + 0.1 * out.entropy.mean()) + 1e-2 * aux
+        out, dec = m.token_logprobs(tokens, positions, segment_ids, labels)
+        return -(out.logprobs.mean() + 0.1 * out.entropy.mean()) + 1e-2 * dec.aux_loss
 
     return jax.jit(jax.value_and_grad(loss)), params
 

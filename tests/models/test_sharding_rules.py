@@ -62,10 +62,10 @@ def test_rules_are_config_data():
     args = (x, experts, experts.astype(np.float32), gate, gate, gate.transpose(0, 2, 1))
     with pytest.raises(ValueError, match=r"size 3 is not divisible by the 4 devices of mesh "
                                          r"axes \('expert',\)"):
-        expert_parallel.dropless_experts(*args, mesh=mesh)
+        expert_parallel.routed_experts(*args, mesh=mesh)
     with pytest.raises(ValueError, match=r"size 3 is not divisible by the 2 devices of mesh "
                                          r"axes \('data',\)"):
-        expert_parallel.dropless_experts(*args, mesh=mesh, rules=cfg.sharding_rules)
+        expert_parallel.routed_experts(*args, mesh=mesh, rules=cfg.sharding_rules)
 
 
 def test_init_sharded_without_a_mesh():

@@ -1,7 +1,7 @@
 """The GRPO train step under a data=2 x expert=4 mesh (8 CPU devices, in a subprocess)
 equals the single-device step, on one batch and accumulated over two micro-batches:
-metrics, updated parameters and Adam moments; parameters and moments keep their
-expert-sharded layout."""
+metrics (the MoE's dropped fraction among them), updated parameters and Adam moments;
+parameters and moments keep their expert-sharded layout."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ def test_grpo_step_on_mesh_matches_single_device():
     assert r["params"] <= TOL and r["moments"] <= TOL, r
     assert r["param_change"] > 1e-3  # the update did move the parameters
     assert r["values"]["kl"] >= 0 and r["values"]["loss"] != 0
+    assert r["values"]["moe_dropped_fraction"] == 0  # the MoE's metric; dropless here
     assert r["rows"] % 8 == 0 and r["buckets"][1] <= r["buckets"][0]
     # two micro-batches accumulated on the mesh as on one device
     for key, diff in r["micro_metrics"].items():
