@@ -197,7 +197,9 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
                    max_rows: int = MAX_DISPATCH_ROWS, dispatch: str = "auto",
                    capacity_factor: float | None = None, overflow: str = "drop",
                    token_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """``models.experts.dropless_experts`` with the experts spread over ``mesh``.
+    """``models.experts.dropless_experts`` with the experts spread over ``mesh``: dropless,
+    except that with the ragged dispatch and a ``capacity_factor`` the real pairs past the
+    capacity are dropped (``models.ragged_dispatch``).
 
     Args:
       x: ``[T, H]`` compute dtype, all tokens of the step (split over ``BATCH_AXES``).
