@@ -14,7 +14,9 @@ from tests.support import ROOT
 
 ALLOWED = {"jax", "jaxlib", "flax", "numpy", "jaxhead"}
 #: Optional adapters: the package (relative to the root) and the one library it may add.
-OPTIONAL = {"jaxhead/integrations/tunix": "tunix"}
+OPTIONAL = {"jaxhead/integrations/tunix": "tunix",
+            # the fixture that runs Tunix's own learner tests under the drop-in
+            "jaxhead/integrations/tunix/testing/conftest": "pytest"}
 
 
 def _allowed(path, top):

@@ -106,12 +106,12 @@ def test_two_grpo_steps_end_to_end(tmp_path, env):
     # before any work (the reported case: a finished run printed T=0.5 above its T=1 rows)
     assert json.loads((work / "config.json").read_text())["loss.beta"] == "0.01"
     hotter = subprocess.run(
-        _cmd(work, "--config.loss.beta=0.01", "--config.rollout.temperature=0.5"), cwd=ROOT,
+        _cmd(work, *updates, "--config.rollout.temperature=0.5"), cwd=ROOT,
         env=env, capture_output=True, text=True, timeout=300, check=False)
     assert hotter.returncode == 2 and hotter.stderr.startswith(
         "error: rollout.temperature = 0.5, but the run was started with 1.0"), hotter.stderr
     # a finished params-only stage cannot be resumed to more steps: one line, no traceback
-    more = subprocess.run(_cmd(work, "--config.loss.beta=0.01", "--config.sft.steps=3"),
+    more = subprocess.run(_cmd(work, *updates, "--config.sft.steps=3"),
                           cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert more.returncode == 1 and "Traceback" not in more.stderr
