@@ -1,5 +1,5 @@
-"""Tensor parallelism wider than the KV heads (``models.sharding.kv_head_layout``): multi-device
-cases run by ``tests.support.multidevice`` in a subprocess with 8 CPU devices
+"""Tensor parallelism wider than the KV heads (``models.sharding.kv_head_layout``):
+multi-device cases run by ``tests.support.multidevice`` in a subprocess with 8 CPU devices
 (``tests/models/test_kv_replication.py``). Each returns JSON-able measurements."""
 
 from __future__ import annotations
@@ -7,12 +7,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import jaxhead
 from flax import nnx
 
+import jaxhead
 from models import get_config, jit_sharded, state_shardings
-from models.attention import Attention
 from models.mesh import batch_sharding, make_mesh
 from tests.models.padding_cases import LOSS, pad, packed_batch
 from tests.support.models import random_model
