@@ -11,11 +11,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from models.attention_ops import cache_attention, self_attention
 from models.cache import LayerKV, write_kv
 from models.config import ModelConfig
 from models.layers import RMSNorm, apply_rope, param
+from models.mesh import active_mesh
+from models.sharding import kv_head_layout, logical_to_mesh
 
 
 class Attention(nnx.Module):
@@ -26,6 +29,12 @@ class Attention(nnx.Module):
     ``v_proj`` ``[H, K, D]`` (``embed, kv_heads, head_dim``), ``o_proj`` ``[N, D, H]``
     (``heads, head_dim, embed``), ``q_norm`` / ``k_norm`` ``[D]`` (``head_dim``).
 
+    Under a mesh whose tensor axis is wider than the K KV heads (T = r K devices), the K/V
+    projections are replicated over it (``models.sharding.kv_head_layout`` says why) and
+    each KV head is repeated r times before attention, so shard ``s`` holds head
+    ``s // r``, the one its query heads read, and every kernel sees whole heads per
+    shard; the KV cache keeps K heads.
+
     Args:
       cfg: model config. rngs: initialiser keys.
     """
@@ -34,7 +43,7 @@ class Attention(nnx.Module):
         h, n, k, d = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                       cfg.head_dim)
         self.dtype, self.rope_theta, self.scale = cfg.dtype, cfg.rope_theta, d ** -0.5
-        self.impl = cfg.attention_impl
+        self.impl, self.rules, self.heads = cfg.attention_impl, cfg.sharding_rules, (n, k)
         pd = cfg.param_dtype
         self.q_proj = param(rngs, (h, n, d), ("embed", "heads", "head_dim"), pd)
         self.k_proj = param(rngs, (h, k, d), ("embed", "kv_heads", "head_dim"), pd)
@@ -59,6 +68,10 @@ class Attention(nnx.Module):
 
         Returns:
           ``(y [B, T, H] compute dtype, updated kv or None)``.
+
+        Raises:
+          ValueError: a mesh whose tensor axis is wider than the KV heads but not a multiple
+            of them, or not dividing the query heads (``kv_head_layout``).
         """
         dt = self.dtype
         x = x.astype(dt)
@@ -67,11 +80,28 @@ class Attention(nnx.Module):
         v = jnp.einsum("bth,hkd->btkd", x, self.v_proj[...].astype(dt))
         q = apply_rope(self.q_norm(q), positions, self.rope_theta)
         k = apply_rope(self.k_norm(k), positions, self.rope_theta)
+        mesh = active_mesh()
+        r = 1 if mesh is None else kv_head_layout(*self.heads, mesh, self.rules)
         if kv is None:
+            k, v = (_per_shard(x, r, mesh, self.rules) for x in (k, v))
             out = self_attention(q, k, v, positions, segment_ids, scale=self.scale,
                                  impl=self.impl)
         else:
             kv = write_kv(kv, k, v)
-            out = cache_attention(q, kv.keys, kv.values, positions, segment_ids, kv.positions,
+            keys, values = (_per_shard(x, r, mesh, self.rules) for x in (kv.keys, kv.values))
+            out = cache_attention(q, keys, values, positions, segment_ids, kv.positions,
                                   kv.segment_ids, scale=self.scale, impl=self.impl)
         return jnp.einsum("btnd,ndh->bth", out, self.o_proj[...].astype(dt)), kv
+
+
+def _per_shard(x: jax.Array, r: int, mesh, rules) -> jax.Array:
+    """``x`` ``[B, S, K, D]`` with each head repeated ``r`` times, the ``r K`` heads split
+    over the mesh axes of ``"kv_heads"``. Without the constraint on ``x`` (whole heads on
+    every shard) the partitioner reshards the replicated K/V weights through a full
+    rematerialisation."""
+    if r == 1:
+        return x
+    u = P.UNCONSTRAINED
+    heads = logical_to_mesh((None, None, "kv_heads", None), mesh, rules)[2]
+    x = jax.lax.with_sharding_constraint(x, P(u, u, None, u))
+    return jax.lax.with_sharding_constraint(jnp.repeat(x, r, axis=2), P(u, u, heads, u))

@@ -73,6 +73,61 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
+#: Logical axes that may be narrower than their mesh axes: a size that divides the device
+#: count is replicated over them (``logical_to_mesh``; ``kv_head_layout`` says why).
+NARROW_AXES = ("kv_heads",)
+
+
+def kv_head_layout(num_heads: int, num_kv_heads: int, mesh, rules=DEFAULT_RULES) -> int:
+    """How many tensor shards read each KV head: 1 when the KV heads split over the mesh
+    axes of ``"kv_heads"`` (``tensor`` by default), ``T // K`` when those T devices are
+    more than the K KV heads.
+
+    Tensor parallelism wider than the KV heads (Qwen3-30B-A3B's 4 on tensor=8): the N query
+    heads split T ways, N / T per shard, and since T is a multiple of K the query heads of
+    shard ``s`` all read KV head ``s // (T // K)``. The layout: ``k_proj`` / ``v_proj``
+    ``[H, K, D]`` keep their shape and are replicated over ``tensor`` (still split over
+    ``fsdp`` on ``embed``); every shard projects its tokens to all K heads and its query
+    heads read theirs. Chosen over a copy of each head per shard (``[H, T, D]``, vLLM's
+    layout) because
+
+    * the parameters are unchanged: same shapes, same values, only their ``NamedSharding``
+      differs, so checkpoints restore on any mesh and ``models.hf`` maps the same tensors;
+    * the gradients are exact: each weight exists once, and its gradient is the sum of the
+      shards' contributions, which the partitioner all-reduces over ``tensor`` (the sum one
+      device computes, in another order). Copies would need their gradients summed and the
+      optimiser to keep them identical;
+    * the cost is small: each shard projects K heads instead of K / T of one (for
+      Qwen3-30B-A3B at tensor=8: 2 x 2048 x 4 x 128 multiply-adds per token and layer,
+      against 2048 x 32 x 128 x 2 / 8 for its query and output projections), and holds the
+      two K/V weights whole on its fsdp shard (2 x 1 M parameters a layer).
+
+    Args:
+      num_heads, num_kv_heads: N and K of the model.
+      mesh: a ``Mesh`` / ``AbstractMesh`` (axes it lacks count as size 1).
+      rules: the logical -> mesh axis rules (the devices of ``"kv_heads"``' axes are T).
+
+    Returns:
+      ``T // K`` if ``T > K``, else 1.
+
+    Raises:
+      ValueError: T above K but not a multiple of K, or not dividing N (the values named).
+    """
+    axes = dict(rules).get("kv_heads")
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    sizes = {a: dict(mesh.shape)[a] for a in axes if a in dict(mesh.shape)}
+    devices = math.prod(sizes.values())
+    if devices <= num_kv_heads:
+        return 1
+    if devices % num_kv_heads or num_heads % devices:
+        raise ValueError(
+            f"tensor parallelism over {devices} devices (mesh axes {sizes}) wider than "
+            f"num_key_value_heads={num_kv_heads} needs a multiple of {num_kv_heads} devices "
+            f"that divides num_attention_heads={num_heads}"
+        )
+    return devices // num_kv_heads
+
+
 def normalize_rules(rules) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
     """``rules`` as a hashable tuple of ``(logical name, mesh axis | tuple of axes | None)``
     pairs (lists, e.g. parsed from a command line, become tuples).
@@ -99,6 +154,11 @@ def logical_to_mesh(names, mesh, rules=DEFAULT_RULES, shape=None, what="array") 
     Each name maps to the mesh axes ``rules`` give it; axes the mesh lacks, and axes an
     earlier dimension already uses, are dropped; names without a rule are replicated.
 
+    The one exception to divisibility is ``"kv_heads"`` (``NARROW_AXES``): K KV heads on
+    more devices than K (tensor parallelism wider than the KV heads, e.g. Qwen3-30B-A3B's 4
+    on tensor=8), the device count a multiple of K, are replicated over those axes instead
+    (see ``kv_head_layout``).
+
     Args:
       names: one logical name (or None) per dimension.
       mesh: a ``Mesh`` / ``AbstractMesh``.
@@ -108,7 +168,8 @@ def logical_to_mesh(names, mesh, rules=DEFAULT_RULES, shape=None, what="array") 
 
     Raises:
       ValueError: a dimension not divisible by the devices of its mesh axes (the array,
-        dimension, sizes and axes named).
+        dimension, sizes and axes named); for ``"kv_heads"``, a size that neither divides
+        nor is divided by them.
     """
     table = dict(rules)
     sizes = dict(mesh.shape)
@@ -120,10 +181,16 @@ def logical_to_mesh(names, mesh, rules=DEFAULT_RULES, shape=None, what="array") 
         axes = tuple(a for a in axes if a in sizes and a not in used)
         devices = math.prod(sizes[a] for a in axes)
         if shape is not None and shape[dim] % devices:
-            raise ValueError(
-                f"{what} of shape {tuple(shape)}: dimension {dim} ({name}) of size {shape[dim]}"
-                f" is not divisible by the {devices} devices of mesh axes {axes}"
-            )
+            if name in NARROW_AXES and devices % shape[dim] == 0:
+                axes = ()
+            else:
+                also = (f" (nor a divisor of {devices}, which would replicate it)"
+                        if name in NARROW_AXES else "")
+                raise ValueError(
+                    f"{what} of shape {tuple(shape)}: dimension {dim} ({name}) of size "
+                    f"{shape[dim]} is not divisible by the {devices} devices of mesh axes "
+                    f"{axes}{also}"
+                )
         used.update(axes)
         spec.append(axes[0] if len(axes) == 1 else axes or None)
     return P(*spec)
