@@ -120,10 +120,14 @@ class MLP(nnx.Module):
 
 def embedding(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Embed:
     """The token embedding ``[V, H]`` (axes ``vocab, embed``), an ``nnx.Embed`` so that
-    ``jaxhead.LMHead`` can tie to it. Looks up in ``cfg.param_dtype``, returns
-    ``cfg.dtype``."""
+    ``jaxhead.LMHead`` can tie to it. It looks up in ``cfg.param_dtype`` and returns that
+    dtype; the caller casts the rows to the compute dtype (``Transformer``). So the
+    lookup's backward, a scatter-add of one cotangent row per position into the table,
+    sums in the parameter dtype: an id at most positions of a batch (a chat template's
+    pieces, the stop token) gets its full gradient (in bfloat16 a sum stops growing once
+    it is 256 times its terms)."""
     return nnx.Embed(
-        cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+        cfg.vocab_size, cfg.hidden_size, dtype=cfg.param_dtype, param_dtype=cfg.param_dtype,
         embedding_init=nnx.initializers.normal(1.0 / math.sqrt(cfg.hidden_size)),
         embedding_metadata={"out_sharding": ("vocab", "embed"), "eager_sharding": False},
         rngs=rngs,

@@ -144,7 +144,7 @@ class Transformer(nnx.Module):
         if cache is not None:
             overflow = check_room(cache, tokens.shape[1])
             cache = write_tokens(cache, positions, segment_ids)
-        x = self.embed_tokens(tokens)
+        x = self.embed_tokens(tokens).astype(self.cfg.dtype)  # gathered in param_dtype
         if cache is None and self.cfg.scan_layers:
             x, stats = self._scan(x, positions, segment_ids)
         else:
