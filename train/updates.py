@@ -110,6 +110,21 @@ class Schedule:
         return out
 
 
+def loss_config(cfg) -> rl_loss.LossConfig:
+    """The ``rl_loss.LossConfig`` of ``cfg.loss``.
+
+    Raises:
+      ValueError: see ``rl_loss.LossConfig.check``.
+    """
+    c = cfg.loss
+    return rl_loss.LossConfig(
+        eps_low=c.eps_low, eps_high=c.eps_high, beta=c.beta, kl_estimator=c.kl_estimator,
+        entropy_coef=c.entropy_coef, aggregation=c.aggregation,
+        max_completion_len=cfg.rollout.max_new_tokens, tis_cap=c.tis_cap,
+        mask_ratio_low=c.mask_ratio_low, mask_ratio_high=c.mask_ratio_high,
+        clip_ratio_c=c.clip_ratio_c, ratio_level=c.ratio_level).check()
+
+
 @dataclasses.dataclass
 class Sequences:
     """A rollout's completions as packing takes them.
