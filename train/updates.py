@@ -170,8 +170,10 @@ class StepReport:
     Attributes:
       updates: ``((epoch, mini-batch), metrics)`` of every update in order (host floats;
         both numbered from 1).
-      rows, bucket: each micro-batch's rows and head bucket (0: the head ran on every
-        position).
+      rows: each micro-batch's rows.
+      skip: whether the head ran on the kept tokens only (``train.skip_unkept``).
+      bucket: each micro-batch's head bucket when ``skip``, else None (the head ran on
+        every position).
       positions, kept, real: token positions, completion tokens and non-padding tokens
         of one epoch's batches.
       head_tokens: positions the head computed in one epoch's forwards.
@@ -181,7 +183,8 @@ class StepReport:
 
     updates: list[tuple[tuple[int, int], dict]]
     rows: int
-    bucket: int
+    skip: bool
+    bucket: int | None
     positions: int
     kept: int
     real: int
@@ -232,7 +235,7 @@ class Updater:
         ``ids[epoch][m]``, its packing ``packs[epoch][m]`` (one epoch only when there is
         one mini-batch: every epoch is the same batch), its micro-batches
         ``pieces[epoch][m][u]`` (row slices, all of one shape) and the head's bucket they
-        all use (0: the head runs on every position)."""
+        all use (None without ``skip``: the head runs on every position)."""
         sched, micro = self.schedule, self.schedule.micro_batches
         ids = [[seqs.members(g) for g in epoch]
                for epoch in sched.mini_batch_groups(seqs.num_groups, key)]
@@ -248,7 +251,7 @@ class Updater:
         # never more slots than a piece's completions can fill (its sequences x the
         # longest completion): full-length completions fill the bucket exactly
         bucket = (max(self.placement.bucket(x, self.bucket_multiple, self._max_kept(x))
-                      for x in every) if self.skip else 0)
+                      for x in every) if self.skip else None)
         return ids, packs, pieces, bucket
 
     def __call__(self, params, opt_state, seqs: Sequences, key: jax.Array,
@@ -292,7 +295,7 @@ class Updater:
         t2 = time.perf_counter()
         first = [x for mini in pieces[0] for x in mini]
         report = StepReport(
-            reports, first[0].tokens.shape[0], bucket,
+            reports, first[0].tokens.shape[0], self.skip, bucket,
             positions=sum(x.loss_mask.size for x in first),
             kept=sum(x.num_kept for x in first),
             real=sum(int(np.count_nonzero(x.segment_ids)) for x in first),
