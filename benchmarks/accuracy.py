@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the oracle lives in tests/
-from tests.support.oracle import head_inputs
-from tests.support.precision import IMPLS, errors
+from harness.oracle import head_inputs
+from harness.precision import IMPLS, errors
 
 
 def cases():

@@ -21,7 +21,7 @@ max absolute differences to the XLA path for log-probs, entropy, ``d hidden`` an
 (computed in float32; the gradients are bf16).
 
 ``--resources`` needs no GPU, only the ``triton`` package: it compiles every Triton kernel
-(forward and the backward's ``du``) of the cases of ``tests/support/triton_compile.py`` to
+(forward and the backward's ``du``) of the cases of ``harness/triton_compile.py`` to
 an sm_90 cubin and prints registers per thread, shared memory per block and local memory
 and stack (spills), as ``tests/jaxhead/test_triton_compile.py`` checks them; exit status 1
 if a kernel spills or exceeds sm_90's 227 KiB of shared memory per block.
@@ -171,8 +171,8 @@ def print_resources() -> int:
     except ImportError:
         print("--resources needs the triton package (pip install triton)", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
-    from tests.support import triton_compile as trc
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness
+    from harness import triton_compile as trc
 
     print(f"jaxhead gpu_check --resources: Triton {triton.__version__} -> sm_90 cubin, "
           f"jax {jax.__version__}")

@@ -97,7 +97,7 @@ def main():
     for skip in (False, True):
         params = placement.init_params(0)
         opt_state = tx.init(params)
-        bucket = packed.bucket() if skip else 0
+        bucket = packed.bucket() if skip else None
         fn = steps.grpo_step(mdef, tx, rl_loss.LossConfig(max_completion_len=args.completion),
                              temperature=1.0, skip=skip)
         compiled = fn.lower(params, opt_state, b, None, packed.num_seqs, bucket).compile()

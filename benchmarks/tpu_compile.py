@@ -37,8 +37,8 @@ from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support, from a checkout
-from tests.support.tpu_compile import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness, from a checkout
+from harness.tpu_compile import (
     MIB,
     SHAPES,
     TOPOLOGIES,

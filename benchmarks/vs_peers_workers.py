@@ -145,7 +145,7 @@ def run_tunix(w: dict, iterations: int, drop_in: bool) -> None:
 
 def run_trainer(w: dict, iterations: int) -> None:
     from configs import grpo_tiny
-    from train import grpo, setup
+    from train import experience, grpo, setup
     from train.loop import Loop
 
     cfg = grpo_tiny.get_config()
@@ -163,8 +163,8 @@ def run_trainer(w: dict, iterations: int) -> None:
     cfg.eval.size = 16
     s = setup.build(cfg)
     loop = Loop(cfg, s, grpo.stage(cfg))
-    it = grpo.GRPOIteration(cfg, s, loop, grpo.generator(cfg, s, grpo.truncation(cfg)),
-                            ref_params=None)
+    gen = experience.generator(cfg, s, experience.truncation(cfg))
+    it = grpo.GRPOIteration(cfg, s, loop, gen, ref_params=None)
     params = s.placement.init_params(cfg.seed)
     it.ref_params = jax.tree.map(lambda x: x.copy(), params)
     opt_state = loop.tx.init(params)

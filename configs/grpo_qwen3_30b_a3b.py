@@ -3,25 +3,22 @@
     python -m train.grpo --config=configs/grpo_qwen3_30b_a3b.py \
         --config.model.hf_checkpoint=/path/to/Qwen3-30B-A3B
 
-bf16 parameters and compute; the head accumulates in float32 (jaxhead); the MoE
-load-balancing loss is added with the checkpoint's ``router_aux_loss_coef``.
+``grpo_qwen3_0p6b.py`` scaled up: bf16 parameters too, longer prompts and completions,
+larger groups, no KL term, the DAPO upper clip; the head accumulates in float32 (jaxhead);
+the MoE load-balancing loss is added with the checkpoint's ``router_aux_loss_coef``.
 
 Mesh: experts over ``expert=8``, the other devices on ``fsdp`` (ZeRO-3), e.g. 64 chips of a
 pod slice = fsdp=8 x expert=8; launch one process per host (docs/scale-out.md,
 "Training on several hosts").
 """
 
-from train.config import base_config
+from configs import grpo_qwen3_0p6b
 
 
 def get_config():
-    c = base_config()
+    c = grpo_qwen3_0p6b.get_config()
     c.workdir = "runs/grpo_qwen3_30b_a3b"
-    c.model.hf_checkpoint = ""  # required: set it with --config.model.hf_checkpoint=DIR
-    c.model.dtype = "bfloat16"
-    c.model.remat = True  # activations of one layer at a time in the backward pass
     c.model.param_dtype = "bfloat16"
-    c.tokenizer = ""
     c.data.tasks = ("gsm_symbolic", "basic_arithmetic", "chain_sum")
     c.data.max_prompt_len = 1024
     c.rollout.prompts_per_step = 64
@@ -29,17 +26,11 @@ def get_config():
     c.rollout.max_new_tokens = 2048
     c.train.row_len = 8192
     c.train.steps = 1000
-    c.train.optim.lr = 1e-6
-    c.train.optim.warmup_steps = 20
-    c.train.optim.decay = "constant"
     c.loss.beta = 0.0
     c.loss.eps_high = 0.28
-    c.loss.aggregation = "token-mean"
     c.checkpoint.every = 25
     c.mesh.data = 1
     c.mesh.fsdp = -1  # every device the expert axis leaves
     c.mesh.expert = 8
-    c.eval.size = 1024
-    c.eval.samples = 1
     c.eval.batch = 256
     return c

@@ -5,14 +5,17 @@ paired before/after comparison."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import time
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
-from train import packing, rollout
+from train import packing, resume, rollout, setup
 from train.data import Problem, Tasks
+from train.placement import place_batch
 from train.state import Params
 from train.tokenizer import Tokenizer
 
@@ -167,3 +170,47 @@ def report(before: EvalResult, after: EvalResult, title: str) -> str:
     head = ("| metric | before GRPO | after GRPO | change (paired SE) | "
             "change / unpaired SE |\n|---|---|---|---|---|")
     return f"{title}\n{head}\n" + "\n".join(rows)
+
+
+def held_out(cfg, s: setup.Setup, generate: rollout.Generator, logprobs, params, name: str,
+             step: int) -> EvalResult:
+    """Evaluate ``params`` on the held-out set, or load the saved result ``name``. The
+    same key is used before and after GRPO (common random numbers: the paired difference
+    has less noise). ``logprobs``: the run's jitted teacher-forced log-probs
+    (``train.steps.reference_logprobs`` at the sampling temperature), built once so that
+    both evaluations share its compiles."""
+    path = s.workdir / f"eval_{name}.json"
+    if path.exists():
+        return EvalResult.from_json(json.loads(path.read_text()))
+    t0 = time.perf_counter()
+    res = evaluate(
+        generate, params, s.eval_problems, s.tasks, s.tokenizer,
+        temperature=cfg.rollout.temperature, samples=cfg.eval.samples,
+        batch=cfg.eval.batch or cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+        key=jax.random.fold_in(jax.random.key(cfg.seed), 10**6),
+        format_weight=cfg.data.format_reward,
+        progress=f"eval {name}" if s.writer.enabled else None)
+    placement = s.placement
+    res.answer_prob = np.exp(answer_logprobs(
+        logprobs, params, s.eval_problems, s.tasks, row_len=cfg.train.row_len,
+        row_multiple=placement.row_multiple(cfg.train.row_multiple),
+        batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+        place=lambda packed: place_batch(packed.arrays(), placement.mesh),
+        bucket=lambda packed: placement.bucket(packed, cfg.train.bucket_multiple)))
+    if s.writer.enabled:
+        resume.write_atomic(path, json.dumps(res.to_json()))
+    (r, r_se), (a, a_se), (q, q_se) = (res.sampled_reward(), res.greedy_accuracy(),
+                                       res.answer_probability())
+    s.writer.write(step, {"sampled_reward": r, "sampled_reward_se": r_se, "greedy_accuracy": a,
+                          "greedy_accuracy_se": a_se, "answer_prob": q, "answer_prob_se": q_se,
+                          "seconds": time.perf_counter() - t0},
+                   kind=f"eval_{name}")
+    return res
+
+
+def summary(res: EvalResult, n: int, label: str) -> str:
+    """One line: ``label``, the ``n`` held-out problems, the sampled reward and the greedy
+    accuracy with their standard errors."""
+    (r, r_se), (a, a_se) = res.sampled_reward(), res.greedy_accuracy()
+    return (f"{label}: {n} held-out problems: sampled reward (T={res.temperature:g}) "
+            f"{r:.4f} ± {r_se:.4f}, greedy accuracy {a:.4f} ± {a_se:.4f}")

@@ -17,6 +17,9 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
+
+from train import rollout, updates
 
 
 class MetricsWriter:
@@ -181,3 +184,48 @@ def peak_flops(override: float = 0.0) -> float:
         if name.lower() in kind.lower():
             return value * len(devices)
     return (os.cpu_count() or 1) * 2.5e9 * 32
+
+
+def truncated_mass_mean(ro: rollout.Rollout) -> float:
+    """Mean over the rollout's completion tokens of the probability mass the truncation
+    left out (``1 - exp(logmass)``; 0 when untruncated)."""
+    live = np.arange(ro.tokens.shape[1])[None, :] < ro.lengths[:, None]
+    return float(-np.expm1(ro.logmass[live]).mean()) if live.any() else 0.0
+
+
+def grpo_metrics(report: updates.StepReport, rewards: np.ndarray, correct: np.ndarray,
+                 ro: rollout.Rollout, *, epochs: int, times: dict, flops: float,
+                 peak: float) -> dict:
+    """The metrics line of one GRPO step (besides the loop's ``lr``, ``skipped_prompts``,
+    ``peak_memory_bytes``).
+
+    Args:
+      report: the step's updates (``train.updates.StepReport``: loss, KL, clip fractions,
+        ... per update, reduced by ``reduce_updates``; the batches' sizes).
+      rewards, correct: ``[P, G]`` (``train.experience.score``).
+      ro: the rollout.
+      epochs: passes over the rollout (``train.updates_per_batch``).
+      times: seconds of ``rollout`` (sampling and scoring), ``reference`` (advantages,
+        packing and the forwards before the first update), ``train`` (the updates).
+      flops: model FLOPs of the updates (``train_step_flops`` per epoch).
+      peak: peak FLOP/s of the local devices.
+    """
+    total = report.positions
+    seconds = sum(times.values())
+    return {
+        **reduce_updates(report.updates),
+        "reward_mean": rewards.mean(), "reward_std": rewards.std(),
+        "accuracy": correct.mean(),
+        "zero_std_group_fraction": float(np.mean(rewards.std(axis=1) == 0)),
+        "completion_length_mean": float(ro.lengths.mean()),
+        "completion_length_max": float(ro.lengths.max()),
+        "stop_fraction": float(ro.stopped.mean()),
+        "lm_head_token_fraction": report.kept / total,
+        "lm_head_bucket_fraction": report.head_tokens / total,
+        "tokens_per_s": report.real / seconds,
+        "train_tokens_per_s": report.real * epochs / times["train"],
+        "mfu": flops / times["train"] / peak,
+        "time_rollout_s": times["rollout"], "time_reference_s": times["reference"],
+        "time_train_s": times["train"], "sampling_path": ro.path,
+        "truncated_mass_mean": truncated_mass_mean(ro),
+    }

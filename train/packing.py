@@ -6,8 +6,10 @@ within the row; 0 = padding) and positions restarting at 0. Per-token arrays fol
 jaxhead's next-token convention: position ``i`` scores token ``i + 1``, so the loss mask
 of a completion token sits one position to its left.
 
-The host then picks the head's bucket from the kept count
-(``jaxhead.bucket_size(int(keep.sum()), rows * row_len)``), a static int per step.
+The positions the head computes are ``keep`` (the one definition, used on the host for
+the bucket and inside the jitted steps); the host picks the head's bucket from their count
+(``PackedBatch.bucket``, on a mesh ``train.placement.Placement.bucket``), a static int per
+step.
 """
 
 from __future__ import annotations
@@ -21,6 +23,15 @@ import jaxhead
 
 #: Keys of the arrays a step reads (``PackedBatch.arrays``), besides named ``values``.
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "labels", "loss_mask", "seq_index")
+
+
+def keep(loss_mask, segment_ids):
+    """The positions the head computes for a packed batch: ``jaxhead.keep_mask`` of its
+    prediction-aligned ``loss_mask`` and its ``segment_ids`` (no position without a next
+    token in its segment, no padding). bool ``[rows, row_len]``, a jax array; numpy inputs
+    on the host, traced arrays inside a step."""
+    return jaxhead.keep_mask(loss_mask=loss_mask, segment_ids=segment_ids,
+                             aligned_to="predictions")
 
 
 @dataclasses.dataclass
@@ -49,9 +60,14 @@ class PackedBatch:
     num_seqs: int
 
     @property
+    def keep(self) -> np.ndarray:
+        """bool ``[rows, row_len]``: the positions the head computes (``keep``)."""
+        return np.asarray(keep(self.loss_mask, self.segment_ids))
+
+    @property
     def num_kept(self) -> int:
-        """Positions any loss reads: the completion tokens' predecessors."""
-        return int(np.count_nonzero(self.loss_mask))
+        """Positions the head computes: the completion tokens' predecessors."""
+        return int(np.count_nonzero(self.keep))
 
     def arrays(self, *value_names: str) -> dict[str, np.ndarray]:
         """The host arrays a step reads: ``BATCH_KEYS`` plus the named ``values``

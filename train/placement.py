@@ -242,6 +242,5 @@ class Placement:
         can keep; no shard keeps more)."""
         if not self.sharded:
             return packed.bucket(multiple, max_kept)
-        keep = np.asarray(packed.loss_mask) != 0
-        rung = jaxhead.bucket_for_shards(keep, self.batch_shards, multiple=multiple)
+        rung = jaxhead.bucket_for_shards(packed.keep, self.batch_shards, multiple=multiple)
         return rung if max_kept is None else min(rung, max_kept)

@@ -24,9 +24,15 @@ def snapshot(cfg) -> dict[str, str]:
 def save(cfg, workdir: Path) -> None:
     """Write ``cfg``'s snapshot to ``workdir/config.json`` (atomically)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    tmp = workdir / f"{FILE}.tmp"
-    tmp.write_text(json.dumps(snapshot(cfg), indent=1) + "\n")
-    os.replace(tmp, workdir / FILE)
+    write_atomic(workdir / FILE, json.dumps(snapshot(cfg), indent=1) + "\n")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through ``<path>.tmp`` and a rename, so that a run killed
+    mid-write leaves the old file or the new one, never a partial one."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def differences(saved: dict[str, str], cfg) -> tuple[list[str], list[str]]:

@@ -1,10 +1,10 @@
 """Jitted steps: supervised (CE) update, GRPO update, reference log-probs.
 
 Every log-prob comes from ``Transformer.token_logprobs`` (jaxhead; per token shard under a
-multi-device mesh) on the kept tokens: ``keep = keep_mask(loss_mask=...)``, compacted into
-the static ``bucket`` the host picked (``Placement.bucket``). With ``skip=False`` the head
-runs on every position (``keep=None``; labels without a next token are replaced by 0 and
-masked out of the loss): the A/B switch, same loss and gradients, more FLOPs. A batch
+multi-device mesh) on the kept tokens (``train.packing.keep``), compacted into the static
+``bucket`` the host picked (``Placement.bucket``). With ``skip=False`` the head runs on
+every position (``keep=None``, ``bucket=None``; labels without a next token are replaced by
+0 and masked out of the loss): the A/B switch, same loss and gradients, more FLOPs. A batch
 that carries ``min_logit`` (truncated rollouts scored on the sampler's support,
 ``loss.logprob_support``) restricts each completion token's softmax, the policy's and the
 reference's, to ``{v : tempered logit >= min_logit}``: for the policy that is the support
@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import jaxhead
-from train import rl_loss
+from train import packing, rl_loss
 from train.optim import is_frozen
 from train.placement import Placement
 from train.state import ModelDef, Params
@@ -39,12 +38,11 @@ def _stop_frozen(params: Params, frozen: tuple[str, ...]) -> Params:
             for k, v in params.items()}
 
 
-def _head_args(b, *, skip: bool, bucket: int) -> dict:
+def _head_args(b, *, skip: bool, bucket: int | None) -> dict:
     """``labels``, ``keep`` and ``bucket`` of ``Transformer.token_logprobs`` for a batch:
-    the kept tokens only (``skip``), or every position."""
+    the kept tokens only (``skip``), or every position (``bucket`` unused)."""
     if skip:
-        keep = jaxhead.keep_mask(loss_mask=b["loss_mask"], segment_ids=b["segment_ids"],
-                                 aligned_to="predictions")
+        keep = packing.keep(b["loss_mask"], b["segment_ids"])
         return {"labels": b["labels"], "keep": keep, "bucket": bucket}
     return {"labels": jnp.where(b["labels"] >= 0, b["labels"], 0), "keep": None,
             "bucket": None}

@@ -110,6 +110,21 @@ class Schedule:
         return out
 
 
+def loss_config(cfg) -> rl_loss.LossConfig:
+    """The ``rl_loss.LossConfig`` of ``cfg.loss``.
+
+    Raises:
+      ValueError: see ``rl_loss.LossConfig.check``.
+    """
+    c = cfg.loss
+    return rl_loss.LossConfig(
+        eps_low=c.eps_low, eps_high=c.eps_high, beta=c.beta, kl_estimator=c.kl_estimator,
+        entropy_coef=c.entropy_coef, aggregation=c.aggregation,
+        max_completion_len=cfg.rollout.max_new_tokens, tis_cap=c.tis_cap,
+        mask_ratio_low=c.mask_ratio_low, mask_ratio_high=c.mask_ratio_high,
+        clip_ratio_c=c.clip_ratio_c, ratio_level=c.ratio_level).check()
+
+
 @dataclasses.dataclass
 class Sequences:
     """A rollout's completions as packing takes them.
@@ -155,8 +170,10 @@ class StepReport:
     Attributes:
       updates: ``((epoch, mini-batch), metrics)`` of every update in order (host floats;
         both numbered from 1).
-      rows, bucket: each micro-batch's rows and head bucket (0: the head ran on every
-        position).
+      rows: each micro-batch's rows.
+      skip: whether the head ran on the kept tokens only (``train.skip_unkept``).
+      bucket: each micro-batch's head bucket when ``skip``, else None (the head ran on
+        every position).
       positions, kept, real: token positions, completion tokens and non-padding tokens
         of one epoch's batches.
       head_tokens: positions the head computed in one epoch's forwards.
@@ -166,7 +183,8 @@ class StepReport:
 
     updates: list[tuple[tuple[int, int], dict]]
     rows: int
-    bucket: int
+    skip: bool
+    bucket: int | None
     positions: int
     kept: int
     real: int
@@ -217,7 +235,7 @@ class Updater:
         ``ids[epoch][m]``, its packing ``packs[epoch][m]`` (one epoch only when there is
         one mini-batch: every epoch is the same batch), its micro-batches
         ``pieces[epoch][m][u]`` (row slices, all of one shape) and the head's bucket they
-        all use (0: the head runs on every position)."""
+        all use (None without ``skip``: the head runs on every position)."""
         sched, micro = self.schedule, self.schedule.micro_batches
         ids = [[seqs.members(g) for g in epoch]
                for epoch in sched.mini_batch_groups(seqs.num_groups, key)]
@@ -233,7 +251,7 @@ class Updater:
         # never more slots than a piece's completions can fill (its sequences x the
         # longest completion): full-length completions fill the bucket exactly
         bucket = (max(self.placement.bucket(x, self.bucket_multiple, self._max_kept(x))
-                      for x in every) if self.skip else 0)
+                      for x in every) if self.skip else None)
         return ids, packs, pieces, bucket
 
     def __call__(self, params, opt_state, seqs: Sequences, key: jax.Array,
@@ -277,7 +295,7 @@ class Updater:
         t2 = time.perf_counter()
         first = [x for mini in pieces[0] for x in mini]
         report = StepReport(
-            reports, first[0].tokens.shape[0], bucket,
+            reports, first[0].tokens.shape[0], self.skip, bucket,
             positions=sum(x.loss_mask.size for x in first),
             kept=sum(x.num_kept for x in first),
             real=sum(int(np.count_nonzero(x.segment_ids)) for x in first),

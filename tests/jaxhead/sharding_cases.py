@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import AxisType
 
 import jaxhead
-from tests.support.oracle import head_inputs, max_abs, max_rel
+from harness.oracle import head_inputs, max_abs, max_rel
 
 HEAD_CONFIGS = {
     "tokens": {"token_axes": ("data", "expert"), "vocab_axis": None},

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxhead
-from tests.support.oracle import head_inputs
+from harness.oracle import head_inputs
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxhead
-from tests.support.oracle import head_inputs, weighted_loss
+from harness.oracle import head_inputs, weighted_loss
 
 N, H, V = 160, 32, 700
 KW = {"config": jaxhead.XlaCpuConfig(token_chunk=32, vocab_chunk=128)}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxhead
-from tests.support.oracle import grads64, head_inputs, ref64, rel_err, weighted_loss
+from harness.oracle import grads64, head_inputs, ref64, rel_err, weighted_loss
 
 QWEN_VOCAB = 151936
 CONFIGS = {"xla": jaxhead.XlaConfig, "xla_cpu": jaxhead.XlaCpuConfig}

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 import jaxhead
+from harness.oracle import grads64, head_inputs, max_abs, max_rel, ref64, weighted_loss
+from harness.precision import IMPLS, errors, head, logit_rounding
 from jaxhead._src.head import xla
 from jaxhead._src.head.base import HeadSpec
 from jaxhead._src.head.scan import Tuning
-from tests.support.oracle import grads64, head_inputs, max_abs, max_rel, ref64, weighted_loss
-from tests.support.precision import IMPLS, errors, head, logit_rounding
 
 
 def check(impl, hidden, weight, labels, *, logp_bound=2e-6, grad_bound=1e-5, **kw):

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import jaxhead
+from harness.oracle import head_inputs
 from jaxhead._src import sampling
-from tests.support.oracle import head_inputs
 
 # one compiled function per static setting, shared by the tests (compiles dominate here)
 _sample = jax.jit(jaxhead.sample, static_argnames=(

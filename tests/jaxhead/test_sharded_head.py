@@ -13,12 +13,12 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 
 import jaxhead
+from harness.oracle import head_inputs
 from jaxhead._src.head import xla
 from jaxhead._src.head.base import HeadSpec
 from jaxhead._src.head.scan import Tuning
 from tests.jaxhead.sharding_cases import HEAD_CONFIGS
 from tests.support.multidevice import run_case
-from tests.support.oracle import head_inputs
 
 MESH = AbstractMesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
 TOKENS = ("data", "expert")

@@ -1,7 +1,7 @@
 """The head compiled by the real TPU compiler for v4, v5e, v5p and v6e, without a TPU.
 
 Needs ``libtpu`` (``pip install -e '.[train,test,tpu]'``); skipped without it. The helpers
-(``tests/support/tpu_compile.py``) compile ``jax.grad`` of ``sum(logp) + sum(entropy)`` of
+(``harness/tpu_compile.py``) compile ``jax.grad`` of ``sum(logp) + sum(entropy)`` of
 one head configuration for a topology of ``jax.experimental.topologies``; see there.
 
 Default run (~4 min on 2 cores): every plan of the full grid (no compile: tiles and VMEM
@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxhead
+from harness import tpu_compile as tc
 from jaxhead._src.head import api, pallas_mode, pallas_tpu
-from tests.support import tpu_compile as tc
 
 FULL = os.environ.get("JAXHEAD_TPU_COMPILE", "") == "full"
 MIB = tc.MIB

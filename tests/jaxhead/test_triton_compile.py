@@ -1,7 +1,7 @@
 """Every Pallas Triton kernel of the head compiles to an sm_90 cubin without spilling.
 
 Needs the ``triton`` package (``pip install triton``; brings ``ptxas`` and ``cuobjdump``),
-not a GPU; skipped without it. For each case of ``tests/support/triton_compile.CASES``
+not a GPU; skipped without it. For each case of ``harness/triton_compile.CASES``
 (bf16 Qwen vocabulary; soft-cap + per-token temperature with a ragged vocabulary; float32
 with per-token temperature) the forward kernel and the backward's ``du`` kernel are
 lowered for cuda on CPU and compiled by Triton for sm_90 (H100 / H200): no local memory
@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("triton", reason="needs the triton package (its ptxas) to build cubins")
 
-from tests.support import triton_compile as trc
+from harness import triton_compile as trc
 
 KERNELS = ("jaxhead_head_forward", "jaxhead_head_dlogits")
 

@@ -12,12 +12,12 @@ import numpy as np
 from flax import nnx
 
 import jaxhead
+from harness.oracle import max_abs
 from models import expert_parallel, get_config
 from models.moe import route
 from models.ragged_dispatch import receive_rows
 from tests.models.sharding_cases import compare_on_mesh
 from tests.support.models import random_model
-from tests.support.oracle import max_abs
 
 TOKENS, HIDDEN, MLP, EXPERTS, TOP_K = 128, 16, 8, 8, 2
 #: 16 tokens per device, in rounds of 8 (``max_rows=16`` rows: ``receive_rows(8, ...)``).

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxhead
+from harness.oracle import max_abs
 from models import get_config
 from models.mesh import make_mesh
 from tests.support.models import random_model
-from tests.support.oracle import max_abs
 from train import packing, rl_loss, state, steps
 from train.placement import Placement, place_batch
 

@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from harness.oracle import max_abs
 from models import expert_parallel
 from models import experts as experts_lib
 from models.mesh import make_mesh
 from models.ragged_dispatch import emulated_ragged_all_to_all
-from tests.support.oracle import max_abs
 
 TOKENS, HIDDEN, MLP, EXPERTS, TOP_K = 128, 32, 16, 8, 2
 

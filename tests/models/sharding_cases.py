@@ -17,11 +17,11 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 import jaxhead
+from harness.oracle import head_inputs, max_abs
 from models import expert_parallel, get_config, jit_sharded, state_shardings
 from models import experts as experts_lib
 from models.mesh import BATCH_AXES, batch_sharding, make_mesh, present
 from tests.support.models import random_model
-from tests.support.oracle import head_inputs, max_abs
 from train.distributed import initialize_distributed
 from train.placement import place_batch
 

@@ -40,7 +40,7 @@ def test_memory_benchmark_tiny():
 def test_largest_temporaries_reads_only_device_memory_temps():
     """Parameters (even with ``color 0``), other memory spaces (TPU VMEM: ``color 1``) and
     outputs are not temporaries; the rest are listed largest first."""
-    from benchmarks.memory import largest_temporaries
+    from harness.memory import largest_temporaries
 
     lines = [
         "allocation 0: size 64, parameter 0, color 0, shape |f32[16]| at ShapeIndex {}:",

@@ -25,11 +25,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh
 
+from harness import tpu_compile as tc
 from models.attention_ops import self_attention
 from models.config import get_config
 from models.mesh import AXES
 from models.transformer import DecoderLayer
-from tests.support import tpu_compile as tc
 
 MIB = 2**20
 
@@ -98,10 +98,10 @@ def test_decoder_layer_compiles_with_the_kernel(kv_heads, sizes, caplog):
 
 
 def test_small_moe_grpo_step_compiles_on_a_mesh():
-    """``benchmarks/memory.py``'s GRPO-shaped train step (forward, sharded jaxhead head,
+    """``harness.memory``'s GRPO-shaped train step (forward, sharded jaxhead head,
     backward, Adam) of the tiny MoE on v6e with fsdp=2 x expert=2: the Pallas head, the
     splash kernel and the ragged all-to-all all in one compiled program."""
-    from benchmarks.memory import measure
+    from harness.memory import measure
 
     row = measure("tiny-moe", {"data": 1, "fsdp": 2, "expert": 2}, batch=0, seq=256,
                   keep=0.5, layers=0, topology="v6e:2x2", dispatch="ragged")

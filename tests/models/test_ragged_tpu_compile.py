@@ -21,9 +21,9 @@ pytest.importorskip("libtpu", reason="needs libtpu (pip install -e '.[tpu]') for
 import jax
 import jax.numpy as jnp
 
+from harness import tpu_compile as tc
 from models import expert_parallel
 from models.mesh import make_mesh
-from tests.support import tpu_compile as tc
 
 #: 1024 tokens per chip, E = 16 experts (4 per chip), top-4: the dense blocks hold
 #: 4 x min(4, 4) = 16x the balanced load.

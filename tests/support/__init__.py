@@ -1,6 +1,6 @@
-"""Helpers shared by the tests: the float64 oracle (``oracle``), random models and tiny
-Hugging Face checkpoints (``models``), and the multi-device subprocess harness
-(``multidevice``)."""
+"""Helpers of the tests alone: random models and tiny Hugging Face checkpoints
+(``models``) and the multi-device subprocess harness (``multidevice``); what the benchmarks
+use too is in ``harness/``."""
 
 from pathlib import Path
 

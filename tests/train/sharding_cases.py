@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from harness.oracle import max_abs
 from models import get_config
 from models.mesh import make_mesh
 from tests.models.sharding_cases import MOE_MESH
 from tests.support.models import random_model
-from tests.support.oracle import max_abs
 
 
 def grpo_step_case() -> dict:

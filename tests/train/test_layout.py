@@ -1,6 +1,8 @@
 """The import graph of the three packages (read from the source with ``ast``, nothing is
 imported): no cycles, and the layers hold: ``jaxhead`` imports neither ``models`` nor
-``train``, ``models`` does not import ``train``. Imports inside functions count too."""
+``train``, ``models`` does not import ``train``. Beside them, ``tests`` and ``benchmarks``
+do not import each other and ``harness`` (what both use) imports neither. Imports inside
+functions count too."""
 
 from __future__ import annotations
 
@@ -37,22 +39,28 @@ def import_graph() -> dict[str, set[str]]:
     for name, (path, init) in mods.items():
         package = name if init else name.rpartition(".")[0]
         edges = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(parts + ([base] if base else []))
-                targets = [base] + [f"{base}.{a.name}" for a in node.names]
-            for t in targets:
-                r = resolve(t)
-                if r and r != name and not (name.startswith(r + ".") and mods[r][1]):
-                    edges.add(r)
+        for t in _import_targets(path.read_text(), package):
+            r = resolve(t)
+            if r and r != name and not (name.startswith(r + ".") and mods[r][1]):
+                edges.add(r)
         graph[name] = edges
     return graph
+
+
+def _import_targets(source: str, package: str) -> list[str]:
+    """The dotted names a module's source imports, anywhere in it (``from a.b import c``
+    gives ``a.b`` and ``a.b.c``; relative imports resolved against ``package``)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            out += [base] + [f"{base}.{a.name}" for a in node.names]
+    return out
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -106,3 +114,43 @@ def test_layers_hold():
            if (m.split(".")[0] == "jaxhead" and r.split(".")[0] in ("models", "train"))
            or (m.split(".")[0] == "models" and r.split(".")[0] == "train")]
     assert bad == []
+
+
+#: Top-level folder -> the top-level folders its modules may not import.
+APART = {"tests": {"benchmarks"}, "benchmarks": {"tests"}, "harness": {"tests", "benchmarks"}}
+
+
+def crossings(sources: dict[str, str]) -> list[tuple[str, str]]:
+    """``(module, imported name)`` for each import that ``APART`` forbids, from
+    ``{dotted module name: its source}``."""
+    bad = []
+    for name, source in sources.items():
+        top = name.split(".")[0]
+        for target in _import_targets(source, name.rpartition(".")[0]):
+            if target.split(".")[0] in APART.get(top, ()):
+                bad.append((name, target))
+    return sorted(set(bad))
+
+
+def _sources(*folders: str) -> dict[str, str]:
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts): p.read_text()
+            for folder in folders for p in (ROOT / folder).rglob("*.py")}
+
+
+def test_tests_and_benchmarks_do_not_import_each_other():
+    sources = _sources(*APART)
+    assert {"tests.train.test_layout", "benchmarks.memory", "harness.oracle"} <= set(sources)
+    assert crossings(sources) == []
+
+
+def test_crossings_are_found():
+    broken = {"benchmarks.accuracy": "from tests.support.oracle import head_inputs\n",
+              "tests.models.test_x": "def f():\n    import benchmarks.memory\n",
+              "harness.memory": "from benchmarks import memory\n",
+              "harness.precision": "from harness.oracle import ref64\n",
+              "tests.jaxhead.test_y": "from harness import oracle\n"}
+    assert crossings(broken) == [
+        ("benchmarks.accuracy", "tests.support.oracle"),
+        ("benchmarks.accuracy", "tests.support.oracle.head_inputs"),
+        ("harness.memory", "benchmarks"), ("harness.memory", "benchmarks.memory"),
+        ("tests.models.test_x", "benchmarks.memory")]

@@ -13,7 +13,7 @@ import pytest
 import jaxhead
 from configs import grpo_micro
 from models.mesh import make_mesh
-from train import grpo, packing, rl_loss, setup, steps, updates
+from train import experience, grpo, packing, rl_loss, setup, steps, updates
 from train.loop import Loop
 from train.placement import Placement, place_batch
 
@@ -41,10 +41,10 @@ def _plain_grpo_step(cfg, s, tx, params, opt_state, problems, key):
     """The GRPO step with one clipped-surrogate update, from its parts: rollout, rewards,
     advantages, one packed batch, the reference's log-probs, one gradient, one Adam step."""
     mdef, t = s.mdef, cfg.rollout.temperature
-    gen = grpo.generator(cfg, s, grpo.truncation(cfg))
+    gen = experience.generator(cfg, s, experience.truncation(cfg))
     g = cfg.rollout.group_size
     ro = gen(params, [p.prompt for p in problems for _ in range(g)], key, temperature=t)
-    rewards, _ = grpo.score(cfg, s, problems, ro)
+    rewards, _ = experience.score(cfg, s, problems, ro)
     adv = rl_loss.group_advantages(rewards, cfg.loss.advantage,
                                    negative_weight=cfg.loss.negative_weight).reshape(-1)
     comps = [ro.completion(i) for i in range(len(adv))]
@@ -58,7 +58,7 @@ def _plain_grpo_step(cfg, s, tx, params, opt_state, problems, key):
     bucket = packed.bucket(cfg.train.bucket_multiple)
     keep = jaxhead.keep_mask(loss_mask=b["loss_mask"], segment_ids=b["segment_ids"],
                              aligned_to="predictions")
-    lcfg = grpo.loss_config(cfg)
+    lcfg = updates.loss_config(cfg)
 
     def head(p):
         return mdef.merge(p).token_logprobs(
@@ -91,8 +91,8 @@ def test_one_update_per_batch_is_the_plain_grpo_step(run):
     key = jax.random.key(5)
     want, want_opt = _plain_grpo_step(cfg, s, loop.tx, _copy(params),
                                       loop.tx.init(params), problems, key)
-    it = grpo.GRPOIteration(cfg, s, loop, grpo.generator(cfg, s, grpo.truncation(cfg)),
-                            ref_params=params)
+    gen = experience.generator(cfg, s, experience.truncation(cfg))
+    it = grpo.GRPOIteration(cfg, s, loop, gen, ref_params=params)
     got, got_opt, metrics = it(_copy(params), loop.tx.init(params), problems, key, 1)
     assert metrics()["grad_norm"] > 0
     for name in want:

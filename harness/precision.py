@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxhead
+from harness.oracle import grads64, max_abs, max_rel, ref64, weighted_loss
 from jaxhead._src.head import xla
 from jaxhead._src.head.base import HeadSpec
 from jaxhead._src.head.scan import Tuning
-from tests.support.oracle import grads64, max_abs, max_rel, ref64, weighted_loss
 
 #: Small kernel tiles, so that small inputs cross several tiles.
 KERNELS = {"pallas_tpu": jaxhead.PallasTpuConfig(16, 256),

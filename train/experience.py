@@ -1,0 +1,81 @@
+"""From a GRPO rollout to the updates' input: the rollouts' truncation and sampler, the
+completions' rewards and the rows (prompt + completion, sampler log-probs, advantages)
+``train.updates.Updater`` packs and trains on."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from train import evaluate, rollout, setup, updates
+
+#: ``loss.logprob_support`` values: score a truncated rollout's tokens on the support they
+#: were drawn from, or on the whole softmax.
+LOGPROB_SUPPORTS = ("sampler", "full")
+
+
+def truncation(cfg) -> rollout.Truncation:
+    """The rollouts' ``top_k`` / ``top_p`` / ``min_p`` (``cfg.rollout``)."""
+    r = cfg.rollout
+    return rollout.Truncation(int(r.top_k), float(r.top_p), float(r.min_p))
+
+
+def scored_on_sampler_support(cfg) -> bool:
+    """Whether the trainer scores tokens on the rollouts' truncated support (the trainer's
+    and the reference's log-probs take ``min_logit``); False when sampling is not truncated
+    or ``loss.logprob_support == "full"``.
+
+    Raises:
+      ValueError: ``loss.logprob_support`` not in ``LOGPROB_SUPPORTS``.
+    """
+    support = cfg.loss.logprob_support
+    if support not in LOGPROB_SUPPORTS:
+        raise ValueError(f"loss.logprob_support must be one of {LOGPROB_SUPPORTS}, "
+                         f"got {support!r}")
+    return support == "sampler" and truncation(cfg).active
+
+
+def generator(cfg, s: setup.Setup, trunc: rollout.Truncation) -> rollout.Generator:
+    """The run's KV-cache sampler (``train.rollout.Generator``) with ``trunc``, sharded
+    over the run's mesh (``s.placement``) like the training step."""
+    return rollout.Generator(s.mdef, max_new_tokens=cfg.rollout.max_new_tokens,
+                             stop_ids=s.tasks.stop_ids, num_valid=s.tokenizer.num_valid,
+                             truncation=trunc, placement=s.placement)
+
+
+def score(cfg, s: setup.Setup, problems, ro: rollout.Rollout) -> tuple[np.ndarray, np.ndarray]:
+    """``(rewards [P, G], correct [P, G])`` of the rollout's ``P * G`` completions (G per
+    problem, in order): ``Tasks.reward`` with the format reward, and whether the task
+    score alone is 1."""
+    g = cfg.rollout.group_size
+    rewards, correct = [], []
+    for i in range(len(problems) * g):
+        text = evaluate.completion_text(s.tokenizer, ro, i)
+        p = problems[i // g]
+        rewards.append(s.tasks.reward(p, text, cfg.data.format_reward))
+        correct.append(float(s.tasks.reward(p, text) >= 1.0))
+    shape = (len(problems), g)
+    return np.reshape(rewards, shape), np.reshape(correct, shape)
+
+
+def rollout_sequences(cfg, problems, ro: rollout.Rollout,
+                      advantages: np.ndarray) -> updates.Sequences:
+    """Prompt + completion of every row of the rollout with the sampler log-probs
+    (``old_logp``), the completion's advantage on each of its tokens and, when scored on
+    the sampler's support (``scored_on_sampler_support``), each token's ``min_logit``;
+    with ``loss.logprob_support == "full"`` ``old_logp`` is the full-softmax log-prob
+    (``logprobs + logmass``)."""
+    g = cfg.rollout.group_size
+    n = len(problems) * g
+    comps = [ro.completion(i) for i in range(n)]
+    adv = advantages.reshape(-1)
+    on_support = scored_on_sampler_support(cfg)
+    old = ro.logprobs if on_support else ro.logprobs + ro.logmass
+
+    def per_token(x):
+        return [x[i, : len(c)] for i, c in enumerate(comps)]
+
+    values = {"old_logp": per_token(old),
+              "advantages": [np.full(len(c), adv[i], np.float32) for i, c in enumerate(comps)]}
+    if on_support:
+        values["min_logit"] = per_token(ro.min_logit)
+    return updates.Sequences([problems[i // g].prompt for i in range(n)], comps, values, g)
