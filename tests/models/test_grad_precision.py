@@ -1,0 +1,47 @@
+"""Gradients that sum many terms stay accurate under the presets' bfloat16 compute: the
+reported case (one id at 1,459 of 2,048 positions; its embedding row's gradient was 30%
+off because the lookup's backward summed in bfloat16) against the same model in float32
+compute."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from models import get_config
+from tests.support.models import random_model
+
+
+def _embedding_grad(dtype: str, tied: bool) -> np.ndarray:
+    """float64 ``[V, H]`` gradient of the summed log-probs of every next token w.r.t. the
+    embedding table, compute ``dtype``, float32 parameters (the same values for both
+    dtypes)."""
+    cfg = get_config("tiny", dtype=dtype, param_dtype="float32", tie_word_embeddings=tied)
+    graphdef, params = nnx.split(random_model(cfg, seed=0))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(10, 500, 2048).astype(np.int32)
+    tokens[rng.choice(2048, 1459, replace=False)] = 5
+    tokens = tokens.reshape(2, 1024)
+    positions = np.broadcast_to(np.arange(1024), tokens.shape)
+    segment_ids = np.ones(tokens.shape, np.int32)
+
+    def loss(params):
+        head, _ = nnx.merge(graphdef, params).token_logprobs(
+            tokens, positions, segment_ids, labels=np.roll(tokens, -1, 1))
+        return head.logprobs.sum()
+
+    grads = jax.jit(jax.grad(loss))(params)
+    return np.asarray(grads["embed_tokens"]["embedding"][...], np.float64)
+
+
+def _rel(x, ref):
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def test_repeated_id_embedding_gradient_in_bf16_compute():
+    for tied in (True, False):
+        bf16, f32 = _embedding_grad("bfloat16", tied), _embedding_grad("float32", tied)
+        # measured 6.5e-3 (tied); the lookup's backward in bfloat16 gave 0.26
+        assert _rel(bf16[5], f32[5]) < 0.03, tied
+        assert _rel(np.delete(bf16, 5, 0), np.delete(f32, 5, 0)) < 0.03, tied
