@@ -1,6 +1,5 @@
 """What every implementation of the head shares: the problem it is asked to solve
-(``HeadSpec``), the interface it satisfies (``HeadImplementation``), its refusal
-(``KernelUnsupported``), and the custom-VJP scaffold the chunked implementations are built
+(``HeadSpec``), the interface it satisfies (``HeadImplementation``), and the custom-VJP scaffold the chunked implementations are built
 on (``differentiable``).
 
 An implementation works on *compacted* rows: ``h [B, H]`` (padding rows zero),
@@ -21,11 +20,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxhead._src.head import math as hm
-
-
-class KernelUnsupported(ValueError):
-    """An implementation cannot run this call; the message says why (``impl="auto"`` then
-    falls back to the XLA path and logs it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +69,7 @@ class HeadImplementation(Protocol):
         """``(plan, padded rows)`` for ``spec`` with ``config`` (None: the defaults).
 
         Raises:
-          KernelUnsupported: this implementation cannot run ``spec`` here.
+          jaxhead.KernelUnsupported: this implementation cannot run ``spec`` here.
           ValueError / TypeError: a bad ``config`` (the offending value named).
         """
 
