@@ -160,9 +160,8 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arr
     """Attention of T new tokens over the whole KV cache (prefill and decode).
 
     A one-token decode step (``T = 1``) uses the dense path: its scores are ``[B, N, 1,
-    L]``, linear in the cache length, and one matmul pair beats the blockwise loop (XLA:CPU,
-    bfloat16, B=8, L=4096, N=16, K=8, D=128: 0.68 s dense vs 1.28 s blockwise per step on a
-    loaded 2-core Xeon; not measured on TPU / GPU). Prefill (``T > 1``) uses
+    L]``, linear in the cache length, and one matmul pair beats the blockwise loop
+    (docs/benchmarks.md, "Decode attention"). Prefill (``T > 1``) uses
     ``xla_chunked``, or ``dense`` when ``impl="dense"``. The kernels never serve the cache:
     their causal mask counts from index 0 of a static length, while the new tokens sit at
     the traced slot ``cache.index``.

@@ -113,8 +113,9 @@ def differentiable(forward: Forward, backward: Backward):
     What it adds, once for every implementation: the ``custom_vjp`` (residuals: the inputs
     and three float32 ``[B]`` vectors, nothing vocabulary-sized but ``w``), the label rule
     (``logp = NaN`` where a label is outside ``[0, V)``, never a silently wrong number), the
-    dtypes (int32 labels; float32 ``1 / temperature`` and ``min_logit``, with no gradient:
-    they are data, not parameters).
+    dtypes (int32 labels; float32 ``1 / temperature`` and ``min_logit``, which get no
+    cotangent: they are data, not parameters, stopped once where the rows are made,
+    ``api.row_inputs``).
     """
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -136,8 +137,7 @@ def differentiable(forward: Forward, backward: Backward):
     head.defvjp(head_fwd, head_bwd)
 
     def call(plan, h, w, labels, inv_temp, min_logit):
-        stop = jax.lax.stop_gradient
-        return head(plan, h, w, labels.astype(jnp.int32), stop(inv_temp.astype(jnp.float32)),
-                    stop(min_logit.astype(jnp.float32)))
+        return head(plan, h, w, labels.astype(jnp.int32), inv_temp.astype(jnp.float32),
+                    min_logit.astype(jnp.float32))
 
     return call

@@ -1,8 +1,9 @@
 """Fused LM head as Pallas Mosaic TPU kernels: logits tiles live in VMEM, never in HBM.
 
 ``impl="pallas_tpu"``: the contract of every implementation (``jaxhead._src.head.base``) and
-the tile math of ``jaxhead._src.head.math``, with its own settings (``PallasTpuConfig``). Three kernels, tiles of ``T`` tokens by ``C`` vocab columns
-(``TpuBlocks``); ``nt = B / T`` token tiles, ``nv = ceil(V / C)`` vocab tiles:
+the tile math of ``jaxhead._src.head.math``, with its own settings (``PallasTpuConfig``).
+Three kernels, tiles of ``T`` tokens by ``C`` vocab columns (``PallasTpuConfig.block_tokens``,
+``block_vocab``); ``nt = B / T`` token tiles, ``nv = ceil(V / C)`` vocab tiles:
 
 forward, grid ``(nt "parallel", nv "arbitrary")``
   VMEM: the ``h`` tile ``[T, H]`` (fetched once per token tile: its block index does not

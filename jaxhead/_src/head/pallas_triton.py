@@ -3,7 +3,8 @@
 ``impl="pallas_triton"``: the contract of every implementation (``jaxhead._src.head.base``)
 and the tile math of ``jaxhead._src.head.math``, with its own settings
 (``PallasTritonConfig``). Tiles: ``T`` tokens x ``C`` vocab columns, the hidden axis
-stepped ``K`` at a time (``TritonBlocks``); ``nt = B / T``, ``nv = ceil(V / C)``.
+stepped ``K`` at a time (``PallasTritonConfig.block_tokens``, ``block_vocab``,
+``block_hidden``); ``nt = B / T``, ``nv = ceil(V / C)``.
 
 forward kernel, grid ``(nt, S)``
   Program ``(i, s)`` owns token tile ``i`` and the ``s``-th of ``S`` contiguous ranges of
