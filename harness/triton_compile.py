@@ -7,7 +7,7 @@ not a GPU or CUDA:
 
 1. ``jax.grad`` of ``sum(logp) + sum(entropy)`` with ``impl="pallas_triton"`` is lowered for
    ``cuda`` on CPU (``lower(lowering_platforms=("cuda",))``, planned for a GPU inside
-   ``pallas_mode.compile_for("gpu")``); each kernel is a ``__gpu$xla.gpu.triton`` custom
+   ``jaxhead.dispatch.compile_for("gpu")``); each kernel is a ``__gpu$xla.gpu.triton`` custom
    call whose ``mhlo.backend_config`` holds its Triton IR (``ir``, MLIR bytecode), name,
    ``num_warps`` and ``num_stages``: the forward (``jaxhead_head_forward``) and the
    backward's ``du`` kernel (``jaxhead_head_dlogits``).
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxhead
-from jaxhead._src.head import pallas_mode
+from jaxhead import dispatch
 
 #: Shared memory an sm_90 block may use (H100 / H200: 227 KiB of the SM's 228).
 SM90_SHARED_LIMIT = 227 * 1024
@@ -101,7 +101,7 @@ def lowered_kernels(case: TritonCase) -> list[Kernel]:
                                      softcap=case.softcap, impl="pallas_triton")
         return jnp.sum(out.logprobs) + jnp.sum(out.entropy)
 
-    with pallas_mode.compile_for("gpu"):
+    with dispatch.compile_for("gpu"):
         lowered = jax.jit(jax.grad(loss, (0, 1))).trace(*args).lower(
             lowering_platforms=("cuda",))
     unique = {}  # the backward calls its du kernel once per vocab chunk: compile each once

@@ -26,7 +26,6 @@ __version__ = "0.1.0"
 
 from jaxhead._src.buckets import bucket_ladder, bucket_size
 from jaxhead._src.head.api import IMPLEMENTATIONS, Impl, token_logprobs
-from jaxhead._src.head.base import KernelUnsupported
 from jaxhead._src.head.pallas_mode import interpret as pallas_interpret
 from jaxhead._src.head.pallas_tpu import PallasTpuConfig
 from jaxhead._src.head.pallas_triton import PallasTritonConfig
@@ -38,6 +37,7 @@ from jaxhead._src.masks import keep_mask, next_token_labels, shift_to_prediction
 from jaxhead._src.nnx import LMHead
 from jaxhead._src.sampling import sample
 from jaxhead._src.types import HeadOutput, Sample
+from jaxhead.dispatch import KernelUnsupported
 
 __all__ = [
     "IMPLEMENTATIONS",

@@ -19,9 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-class KernelUnsupported(ValueError):
-    """A kernel cannot run this call; the message says why."""
+from jaxhead.dispatch import KernelUnsupported
 
 
 def check_packing(positions: jax.Array, segment_ids: jax.Array) -> None:

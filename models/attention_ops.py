@@ -1,6 +1,6 @@
 """Which attention implementation runs a call: the ``ModelConfig.attention_impl`` switch.
 
-Implementations (``IMPLEMENTATIONS``):
+Implementations (``REGISTRY``, in ``"auto"``'s order):
 
 * ``"xla_chunked"``: blockwise attention in XLA with an online softmax and a recomputing
   backward (``models.attention_xla.chunked_attention``); any backend, memory linear in
@@ -15,14 +15,16 @@ Implementations (``IMPLEMENTATIONS``):
 * ``"dense"``: the materialised ``[B, T, S]`` mask and scores
   (``models.attention_xla.dense_attention``): the test reference.
 
-``"auto"`` picks by the platform the trace compiles for (``target_platform``: the devices
-of the mesh in context, ``jax.set_mesh``, else ``jax.default_backend()``; so a CPU machine
-compiling for a TPU topology picks what a TPU would): ``splash`` on TPU, ``pallas_gpu`` on
-GPU, ``xla_chunked`` elsewhere, and falls back to ``xla_chunked`` when the kernel cannot
-run the call (a length that is not a multiple of its block, rows or heads that do not
-split over the mesh), logging a warning on logger ``"models"``. An explicit kernel raises
-``KernelUnsupported`` instead; off its platform it runs in Pallas interpret mode (slow:
-for tests).
+``"auto"`` (``jaxhead.dispatch.Registry.resolve``) picks by the platform the trace
+compiles for (``jaxhead.dispatch.target_platform``: the devices of the mesh in context,
+``jax.set_mesh``, else ``jax.default_backend()``; so a CPU machine compiling for a TPU
+topology picks what a TPU would): ``splash`` on TPU, ``pallas_gpu`` on GPU, ``xla_chunked``
+elsewhere. It falls back to ``xla_chunked`` when the kernel cannot run the call (a length
+that is not a multiple of its block, rows or heads that do not split over the mesh) or its
+forward and backward do not lower for the platform (``jaxhead.dispatch.lowering_error``),
+logging a warning on logger ``"jaxhead"``. An explicit kernel raises
+``jaxhead.KernelUnsupported`` instead; off its platform it runs in Pallas interpret mode
+(slow: for tests).
 
 Under a multi-device mesh a compiled kernel cannot be split by XLA's partitioner (Mosaic
 and Triton calls are opaque to it), so it runs inside ``jax.shard_map``: rows split over
@@ -33,49 +35,28 @@ communication.
 
 from __future__ import annotations
 
-import logging
+import functools
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from models.attention_kernels import (
-    KernelUnsupported,
-    check_packing,
-    pallas_gpu_attention,
-    splash_attention,
-)
+from jaxhead import dispatch
+from jaxhead.dispatch import KernelUnsupported
+from models.attention_kernels import check_packing, pallas_gpu_attention, splash_attention
 from models.attention_xla import chunked_attention, dense_attention
 from models.mesh import BATCH_AXES
 
-logger = logging.getLogger("models")
-
-IMPLEMENTATIONS = ("xla_chunked", "splash", "pallas_gpu", "dense")
-_AUTO = {"tpu": "splash", "gpu": "pallas_gpu"}
-_KERNELS = {"splash": (splash_attention, "tpu"), "pallas_gpu": (pallas_gpu_attention, "gpu")}
-
-
-def target_platform() -> str:
-    """The platform the current trace compiles for: the abstract device of the mesh in
-    context (``jax.set_mesh``), else ``jax.default_backend()``; ``"gpu"`` for CUDA and
-    ROCm (the rule ``jaxhead``'s kernels follow too)."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    platform = jax.default_backend() if device is None else device.platform
-    return "gpu" if platform in ("cuda", "rocm") else platform
-
-
-def resolve_impl(impl: str) -> str:
-    """The implementation ``impl`` names (``"auto"``: by ``target_platform()``).
-
-    Raises:
-      ValueError: not ``"auto"`` nor one of ``IMPLEMENTATIONS``.
-    """
-    if impl == "auto":
-        return _AUTO.get(target_platform(), "xla_chunked")
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"attention_impl must be 'auto' or one of {IMPLEMENTATIONS}, "
-                         f"got {impl!r}")
-    return impl
+#: ``ModelConfig.attention_impl`` values, in ``"auto"``'s order; a kernel's value is
+#: ``(function, platform)``, the XLA paths' None.
+REGISTRY = dispatch.Registry("attention_impl", [
+    dispatch.Entry("splash", (splash_attention, "tpu"), platforms=("tpu",)),
+    dispatch.Entry("pallas_gpu", (pallas_gpu_attention, "gpu"), platforms=("gpu",)),
+    dispatch.Entry("xla_chunked", None),
+    dispatch.Entry("dense", None, auto=False),
+])
+IMPLEMENTATIONS = REGISTRY.names
 
 
 def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
@@ -100,23 +81,44 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
       ValueError: unknown ``impl``; positions that break the kernels' precondition.
       KernelUnsupported: an explicitly requested kernel cannot run these shapes.
     """
-    name = resolve_impl(impl)
-    if name == "dense":
+    REGISTRY.check_name(impl)
+    if impl == "dense":
         return dense_attention(q, k, v, positions, segment_ids, positions, segment_ids,
                                scale=scale)
-    if name in _KERNELS:
-        kernel, platform = _KERNELS[name]
+
+    def check(name: str):
+        if REGISTRY[name] is None:
+            return None
+        kernel, platform = REGISTRY[name]
         check_packing(positions, segment_ids)
-        try:
-            return _per_device(kernel, q, k, v, segment_ids, scale=scale,
-                               interpret=target_platform() != platform)
-        except KernelUnsupported as err:
-            if impl != "auto":
-                raise
-            logger.warning("attention_impl='auto': %s cannot run this call (%s); using "
-                           "'xla_chunked'", name, err)
+        run = functools.partial(_per_device, kernel, scale=scale,
+                                interpret=dispatch.target_platform() != platform)
+        if impl == "auto":
+            reason = _lowering_error(run, q, k, v, segment_ids, platform)
+            if reason is not None:
+                return dispatch.Unlowered(reason)
+        return run(q, k, v, segment_ids)
+
+    out = REGISTRY.resolve(impl, check)[1]
+    if out is not None:
+        return out
     return chunked_attention(q, k, v, positions, segment_ids, positions, segment_ids,
                              scale=scale)
+
+
+def _lowering_error(run, q, k, v, segment_ids, platform: str) -> str | None:
+    """``dispatch.lowering_error`` of ``run``'s forward and backward (``jax.grad`` of the
+    output's float32 sum w.r.t. ``q``, ``k``, ``v``) on abstract inputs of these shapes.
+
+    Raises:
+      KernelUnsupported: the kernel refuses the shapes (while tracing, before lowering).
+    """
+    def loss(q, k, v, segment_ids):
+        return jnp.sum(run(q, k, v, segment_ids).astype(jnp.float32))
+
+    args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, segment_ids)]
+    jax.eval_shape(run, *args)
+    return dispatch.lowering_error(jax.grad(loss, (0, 1, 2)), *args, platform=platform)
 
 
 def _per_device(kernel, q, k, v, segment_ids, **kwargs):
@@ -158,9 +160,8 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arr
     """Attention of T new tokens over the whole KV cache (prefill and decode).
 
     A one-token decode step (``T = 1``) uses the dense path: its scores are ``[B, N, 1,
-    L]``, linear in the cache length, and one matmul pair beats the blockwise loop (XLA:CPU,
-    bfloat16, B=8, L=4096, N=16, K=8, D=128: 0.68 s dense vs 1.28 s blockwise per step on a
-    loaded 2-core Xeon; not measured on TPU / GPU). Prefill (``T > 1``) uses
+    L]``, linear in the cache length, and one matmul pair beats the blockwise loop
+    (docs/benchmarks.md, "Decode attention"). Prefill (``T > 1``) uses
     ``xla_chunked``, or ``dense`` when ``impl="dense"``. The kernels never serve the cache:
     their causal mask counts from index 0 of a static length, while the new tokens sit at
     the traced slot ``cache.index``.
@@ -177,8 +178,8 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arr
     Raises:
       ValueError: unknown ``impl``.
     """
-    name = resolve_impl(impl)
+    REGISTRY.check_name(impl)
     args = (q, k, v, positions, segment_ids, kv_positions, kv_segment_ids)
-    if name == "dense" or q.shape[1] == 1:
+    if impl == "dense" or q.shape[1] == 1:
         return dense_attention(*args, scale=scale)
     return chunked_attention(*args, scale=scale)

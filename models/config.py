@@ -10,8 +10,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from models.attention_ops import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
-from models.ragged_dispatch import DISPATCHES, check_capacity_factor, check_overflow
+from models.attention_ops import REGISTRY as ATTENTION
+from models.ragged_dispatch import REGISTRY as EXPERT_DISPATCH
+from models.ragged_dispatch import check_capacity_factor, check_overflow
 from models.scan import REMAT_POLICIES
 from models.sharding import DEFAULT_RULES, normalize_rules
 
@@ -153,12 +154,8 @@ class ModelConfig:
             )
         if self.num_experts and self.moe_intermediate_size <= 0:
             raise ValueError("an MoE config needs moe_intermediate_size > 0")
-        if self.attention_impl not in ("auto", *ATTENTION_IMPLEMENTATIONS):
-            raise ValueError(f"attention_impl must be 'auto' or one of "
-                             f"{ATTENTION_IMPLEMENTATIONS}, got {self.attention_impl!r}")
-        if self.expert_dispatch not in ("auto", *DISPATCHES):
-            raise ValueError(f"expert_dispatch must be 'auto' or one of {DISPATCHES}, got "
-                             f"{self.expert_dispatch!r}")
+        ATTENTION.check_name(self.attention_impl)
+        EXPERT_DISPATCH.check_name(self.expert_dispatch)
         check_capacity_factor(self.expert_capacity_factor)
         check_overflow(self.expert_capacity_overflow)
         if self.remat_policy not in REMAT_POLICIES:

@@ -59,15 +59,16 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxhead.dispatch import target_platform
 from models.experts import combine, expert_ffn, route_valid
 from models.mesh import BATCH_AXES, axis_size, check_divisible, present
 from models.ragged_dispatch import (
     check_capacity_factor,
     check_overflow,
-    mesh_platform,
+    NATIVE,
+    REGISTRY,
     ragged_round,
     receive_rows,
-    resolve_dispatch,
 )
 from models.sharding import DEFAULT_RULES, logical_to_mesh
 
@@ -214,7 +215,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
       dispatch: ``"dense"`` (the worst-case blocks of this module), ``"ragged"``
         (``models.ragged_dispatch``: ``jax.lax.ragged_all_to_all`` on TPU / GPU, its
         emulation elsewhere), or ``"auto"`` (ragged where the mesh's platform has it,
-        else dense; ``models.ragged_dispatch.resolve_dispatch``).
+        else dense; ``models.ragged_dispatch.REGISTRY``).
       capacity_factor: ragged only: None (receive buffers for the worst case: dropless)
         or ``f > 0`` (``f`` times the balanced load per device; real pairs past it are
         dropped by GShard's priority, see ``models.ragged_dispatch``).
@@ -238,7 +239,8 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
         its mesh axes (both numbers named); an unknown ``dispatch`` or ``overflow``, or a
         ``capacity_factor`` <= 0 (named).
     """
-    ragged = resolve_dispatch(dispatch, mesh) == "ragged"
+    platform = target_platform(mesh)
+    ragged = REGISTRY.resolve(dispatch, platform=platform)[0] == "ragged"
     check_capacity_factor(capacity_factor)
     check_overflow(overflow)
     token_axes = present(mesh, BATCH_AXES)
@@ -256,7 +258,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
             *args, expert_axis=expert_axes, num=axis_size(mesh, expert_axes),
             gather_axes=_axes(gate_spec[1]), sum_axes=_axes(gate_spec[2]),
             max_rows=max_rows, ragged=ragged,
-            native=mesh_platform(mesh) in ("tpu", "gpu"), capacity_factor=capacity_factor,
+            native=platform in NATIVE, capacity_factor=capacity_factor,
             overflow=overflow,
         )
 

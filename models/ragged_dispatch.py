@@ -72,38 +72,22 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxhead import dispatch
 from models.experts import combine, expert_ffn, route_valid
 
-#: ``ModelConfig.expert_dispatch`` values; ``"auto"`` picks by the mesh's platform.
-DISPATCHES = ("ragged", "dense")
+#: The platforms with a native ``ragged_all_to_all``.
+NATIVE = ("tpu", "gpu")
+
+#: ``ModelConfig.expert_dispatch`` values, in ``"auto"``'s order: ragged where the platform
+#: has ``ragged_all_to_all`` (TPU, GPU; ``jaxhead.dispatch.target_platform`` of the mesh),
+#: else dense (an explicit ``"ragged"`` runs ``emulated_ragged_all_to_all`` there).
+REGISTRY = dispatch.Registry("expert_dispatch", [
+    dispatch.Entry("ragged", None, platforms=NATIVE),
+    dispatch.Entry("dense", None),
+])
 #: ``ModelConfig.expert_capacity_overflow`` values: what a real pair past the capacity
 #: gets (the module docstring).
 OVERFLOWS = ("drop", "nan")
-_NATIVE = ("tpu", "gpu", "cuda", "rocm")
-
-
-def mesh_platform(mesh) -> str:
-    """The platform of ``mesh``'s devices (``"tpu"``, ``"gpu"``, ``"cpu"``; a TPU
-    topology's mesh says ``"tpu"`` on a CPU machine), else ``jax.default_backend()``."""
-    abstract = getattr(mesh, "abstract_mesh", mesh)
-    device = getattr(abstract, "abstract_device", None)
-    platform = jax.default_backend() if device is None else device.platform
-    return "gpu" if platform in ("cuda", "rocm") else platform
-
-
-def resolve_dispatch(dispatch: str, mesh) -> str:
-    """``"ragged"`` or ``"dense"``; ``"auto"`` is ragged where the backend has
-    ``ragged_all_to_all`` (TPU, GPU) and dense elsewhere (CPU).
-
-    Raises:
-      ValueError: not ``"auto"`` nor one of ``DISPATCHES``.
-    """
-    if dispatch == "auto":
-        return "ragged" if mesh_platform(mesh) in _NATIVE else "dense"
-    if dispatch not in DISPATCHES:
-        raise ValueError(f"expert_dispatch must be 'auto' or one of {DISPATCHES}, "
-                         f"got {dispatch!r}")
-    return dispatch
 
 
 def check_capacity_factor(factor: float | None) -> None:

@@ -1,56 +1,11 @@
 """Sampling from the head: the token, its log-prob under the distribution it was drawn
 from, and that distribution's support, in float32 with the head's own tile math.
 
-**Untruncated** (``top_k = 0``, ``top_p = 1``, ``min_p = 0``): a chunked Gumbel-max, never
-``[B, V]``. The vocabulary is scanned in chunks; each carries the online statistics of the
-logits (``jaxhead._src.head.math``, exactly as ``jaxhead.token_logprobs`` computes them) and
-the running arg-max of ``l_v + g_v`` with ``g_v`` i.i.d. standard Gumbel noise: by the
-Gumbel-max trick, ``argmax_v (l_v + g_v)`` is a draw from ``softmax(l)`` (Gumbel 1954;
-Maddison, Tarlow & Minka, "A* Sampling", 2014).
-
-**Truncated** (any of ``top_k``, ``top_p``, ``min_p``): the full float32 logits ``[B, V]``
-of the rows: ``B * V * 4`` bytes, e.g. 78 MB for 128 rows of Qwen3's 151,936 columns, and
-a few temporaries of that size. Each of
-the three supports is an upper set of the tempered logits, so their intersection is
-``{v : l_v >= tau}`` for one per-row threshold ``tau`` (ties at the threshold included):
-
-* ``top_k``: ``tau_k`` = the k-th largest logit (Fan et al., 2018);
-* ``top_p``: the smallest set of most likely ids whose probability, renormalised over the
-  ``top_k`` set, reaches ``top_p`` (nucleus sampling, Holtzman et al., 2020): ``tau_p`` =
-  the logit of its least likely member (found by bisection, not a sort);
-* ``min_p``: ids at least ``min_p`` times as likely as the most likely one (Nguyen et al.,
-  2024, "Turning Up the Heat: Min-p Sampling"): ``tau_m = max_v l_v + log(min_p)``;
-
-``tau = max(tau_k, tau_p, tau_m)`` (the order of Hugging Face's and vLLM's warpers: top-k,
-then top-p on what is left, then min-p, whose threshold the first two do not move). The
-recorded ``min_logit`` is moved down to halfway between the support's smallest logit and
-the largest one left out: the same support, robust to a trainer whose logits round a few
-ulps differently. The
-token is drawn by Gumbel-max over the support, and its recorded log-prob is that of the
-softmax renormalised over the support: what ``jaxhead.token_logprobs(...,
-min_logit=tau)`` computes, so that an RL trainer scores the distribution the token was
-actually drawn from (``Sample.min_logit``).
-
-Noise: ``g = -log(-log(u))`` with ``u = (k + 1/2) 2^-23`` for a 23-bit counter hash ``k``
-of the row's 64-bit seed (two words from ``jax.random.bits`` of the key) and the vocab id,
-so ``u`` lies in ``[2^-24, 1 - 2^-24]`` (every value exact in float32, never 0 or 1) and
-``g`` in ``[-2.82, 16.64]``, always finite (``_gumbel``; the tests check all ``2^23``
-values). A draw depends on the key and the rows' order only: not on ``vocab_chunk``, nor on
-how the rows are split over devices. Why a hash and not ``jax.random.gumbel`` per element:
-on a 2-core CPU, Threefry noise for one decode step of 128 rows x 151,936 ids took about
-700 ms against 25 ms for the hash and ~120 ms for the head's matmul (``jax`` 0.10.2), a
-sampler several times slower. Greedy calls draw no noise. A candidate is compared with the
-running best as ``(z - z_best) / tau + (g - g_best)``: differences of nearby numbers first,
-so a low temperature (logits ~1e4) does not round the noise away. Because the noise is
-bounded, a token whose probability is below ``e^-19.5 ~ 3.5e-9`` times that of the most
-likely one cannot win against it (a tail mass of at most ``V * 3.5e-9``, 5e-4 at
-V = 151,936, in the most adversarial row); ids with probability 0 (a ``-inf`` logit,
-outside the support or past ``num_valid``) never win.
-
-Ids ``>= num_valid`` (ids a tokenizer never produces, e.g. the padding rows of Qwen3's
-151,936-entry embedding beyond its 151,669 real tokens) are never drawn; they take part in
-the normaliser, as they do in the trainer's ``token_logprobs`` (for a trained model their
-mass is negligible; the difference is ``log(1 - p(invalid))`` per token).
+Untruncated: a chunked Gumbel-max over the vocabulary scan (never ``[B, V]``); truncated
+(``top_k`` / ``top_p`` / ``min_p``): the full float32 logits of the rows and one support
+threshold ``min_logit`` found by bisection. The noise is a bounded counter hash of the
+row's seed and the vocab id (``_gumbel``). The derivation, the noise's bounds and why a hash:
+docs/design.md, "Sampling".
 """
 
 from __future__ import annotations

@@ -272,8 +272,8 @@ def attention_kernels_case() -> dict:
     ``self_attention`` runs them inside ``jax.shard_map`` (rows over data x fsdp, heads
     over tensor); forward and gradients against the dense reference; what ``"auto"``
     picks on a CPU mesh; rows that do not split over the batch axes."""
-    from models.attention_kernels import KernelUnsupported
-    from models.attention_ops import resolve_impl, self_attention
+    from jaxhead.dispatch import KernelUnsupported, target_platform
+    from models.attention_ops import REGISTRY, self_attention
     from models.attention_xla import dense_attention
 
     b, t, n, kv, d = 4, 256, 4, 2, 32
@@ -309,7 +309,7 @@ def attention_kernels_case() -> dict:
                      "grads": max(max_abs(g, r) for g, r in zip(got[1], ref[1])),
                      "shard_map": "shard_map" in hlo or "sdy.manual_computation" in hlo}
     with jax.set_mesh(mesh):
-        out["auto_on_cpu_mesh"] = resolve_impl("auto")
+        out["auto_on_cpu_mesh"] = REGISTRY.candidates(target_platform())[0]
         try:
             self_attention(q[:3], k[:3], v[:3], pos[:3], seg[:3], scale=0.2, impl="splash")
             out["three_rows"] = "ran"

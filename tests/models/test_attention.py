@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxhead.dispatch import KernelUnsupported
 from models import attention_ops
-from models.attention_kernels import KernelUnsupported, check_packing
+from models.attention_kernels import check_packing
 from models.attention_ops import cache_attention, self_attention
 from models.attention_xla import chunked_attention, dense_attention
 from models.config import ModelConfig, get_config
@@ -94,7 +95,7 @@ def test_auto_falls_back_with_a_log(monkeypatch, caplog):
         self_attention(q, k, v, pos, seg, scale=0.3, impl="splash")
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     monkeypatch.setattr(attention_ops, "chunked_attention", lambda *a, **kw: "chunked")
-    with caplog.at_level(logging.WARNING, logger="models"):
+    with caplog.at_level(logging.WARNING, logger="jaxhead"):
         assert self_attention(q, k, v, pos, seg, scale=0.3, impl="auto") == "chunked"
     assert "splash cannot run this call" in caplog.text
 

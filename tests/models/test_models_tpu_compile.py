@@ -6,7 +6,7 @@ of a topology's devices ``attention_impl="auto"`` picks what a TPU would (JAX's 
 attention kernel), run per device inside ``jax.shard_map`` (a Mosaic kernel cannot be split
 by XLA's partitioner: before, ``auto`` chose by ``jax.default_backend()``, so every compile
 here used the XLA path, and on a TPU pod the kernel would have met the partitioner). A
-fallback would log on logger ``"models"``: none is allowed.
+fallback would log on logger ``"jaxhead"``: none is allowed.
 
 ~4 minutes on 2 cores (AMD EPYC; the GRPO step about half of it).
 """
@@ -60,7 +60,7 @@ def test_splash_attention_compiles_per_device(generation, caplog):
         out = self_attention(q, k, v, positions, segment_ids, scale=d ** -0.5)
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
-    with caplog.at_level(logging.WARNING, logger="models"), \
+    with caplog.at_level(logging.WARNING, logger="jaxhead"), \
             jax.set_mesh(_mesh(generation, data=2, tensor=2)):
         lowered = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, kv, kv, ids, ids)
         temp = lowered.compile().memory_analysis().temp_size_in_bytes

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from jaxhead.dispatch import target_platform
 from models import get_config
-from models.ragged_dispatch import receive_rows, resolve_dispatch
+from models.ragged_dispatch import REGISTRY, receive_rows
 from tests.support.multidevice import abstract_mesh, run_case
 
 TOL = 1e-4
@@ -29,10 +30,11 @@ def test_ragged_equals_dense_and_one_device():
 
 
 def test_auto_is_dense_on_cpu_and_names_bad_values():
-    assert resolve_dispatch("auto", abstract_mesh(expert=4)) == "dense"  # no ragged on CPU
-    assert resolve_dispatch("ragged", abstract_mesh(expert=4)) == "ragged"
+    cpu = target_platform(abstract_mesh(expert=4))
+    assert REGISTRY.resolve("auto", platform=cpu)[0] == "dense"  # no ragged on CPU
+    assert REGISTRY.resolve("ragged", platform=cpu)[0] == "ragged"
     with pytest.raises(ValueError, match="'sparse'"):
-        resolve_dispatch("sparse", abstract_mesh(expert=4))
+        REGISTRY.resolve("sparse")
     with pytest.raises(ValueError, match="'sparse'"):
         get_config("tiny-moe", expert_dispatch="sparse")
     with pytest.raises(ValueError, match="-1.0"):

@@ -2,7 +2,8 @@
 imported): no cycles, and the layers hold: ``jaxhead`` imports neither ``models`` nor
 ``train``, ``models`` does not import ``train``. Beside them, ``tests`` and ``benchmarks``
 do not import each other and ``harness`` (what both use) imports neither. Imports inside
-functions count too."""
+functions count too. And dispatch has one home: no module but ``jaxhead/dispatch.py``
+defines a platform picker or ``KernelUnsupported``."""
 
 from __future__ import annotations
 
@@ -154,3 +155,49 @@ def test_crossings_are_found():
         ("benchmarks.accuracy", "tests.support.oracle.head_inputs"),
         ("harness.memory", "benchmarks"), ("harness.memory", "benchmarks.memory"),
         ("tests.models.test_x", "benchmarks.memory")]
+
+
+DISPATCH_MODULE = "jaxhead/dispatch.py"
+
+
+def dispatch_definitions(source: str) -> list[str]:
+    """The platform pickers (functions named ``target_platform`` or ``*_platform``) and
+    ``KernelUnsupported`` classes that ``source`` defines, at any depth."""
+    return [node.name for node in ast.walk(ast.parse(source))
+            if (isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                and node.name.endswith("_platform"))
+            or (isinstance(node, ast.ClassDef) and node.name == "KernelUnsupported")]
+
+
+def stray_dispatch(root) -> dict[str, list[str]]:
+    """``path -> dispatch_definitions`` of every module of the packages under ``root``
+    other than ``DISPATCH_MODULE`` that defines any."""
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            found = dispatch_definitions(path.read_text())
+            if found and rel != DISPATCH_MODULE:
+                out[rel] = found
+    return out
+
+
+def test_dispatch_lives_in_one_module():
+    assert stray_dispatch(ROOT) == {}
+    assert sorted(dispatch_definitions((ROOT / DISPATCH_MODULE).read_text())) == [
+        "KernelUnsupported", "target_platform"]
+
+
+def test_the_dispatch_rule_fails_on_a_broken_copy(tmp_path):
+    assert dispatch_definitions("def mesh_platform(mesh):\n    return 'cpu'\n") == [
+        "mesh_platform"]
+    for pkg in PACKAGES:  # a copy of the tree with one stray picker and one stray class
+        for path in (ROOT / pkg).rglob("*.py"):
+            copy = tmp_path / path.relative_to(ROOT)
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            copy.write_text(path.read_text())
+    (tmp_path / "models" / "stray.py").write_text(
+        "class KernelUnsupported(ValueError):\n    pass\n\n\n"
+        "class Ops:\n    def target_platform(self):\n        return 'tpu'\n")
+    assert stray_dispatch(tmp_path) == {
+        "models/stray.py": ["KernelUnsupported", "target_platform"]}

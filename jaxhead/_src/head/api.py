@@ -7,7 +7,6 @@ mask into those rows and back.
 
 from __future__ import annotations
 
-import logging
 import math
 import warnings
 from typing import Literal, get_args
@@ -18,41 +17,41 @@ import numpy as np
 
 from jaxhead._src import compaction, validation
 from jaxhead._src.buckets import bucket_size
-from jaxhead._src.head import pallas_mode, pallas_tpu, pallas_triton, probe, reference, xla, xla_cpu
-from jaxhead._src.head.base import HeadImplementation, HeadSpec, KernelUnsupported
+from jaxhead._src.head import pallas_tpu, pallas_triton, probe, reference, xla, xla_cpu
+from jaxhead._src.head.base import HeadImplementation, HeadSpec
 from jaxhead._src.types import HeadOutput
+from jaxhead import dispatch
+from jaxhead.dispatch import KernelUnsupported
 
-#: Names of the implementations (``impl=``); ``"auto"`` picks one by backend.
+#: Names of the implementations (``impl=``); ``"auto"`` picks one by platform.
 Impl = Literal["xla", "xla_cpu", "pallas_tpu", "pallas_triton", "reference"]
 
-IMPLEMENTATIONS: dict[Impl, HeadImplementation] = {
-    "xla": xla.XLA,
-    "xla_cpu": xla_cpu.XLA_CPU,
-    "pallas_tpu": pallas_tpu.PALLAS_TPU,
-    "pallas_triton": pallas_triton.PALLAS_TRITON,
-    "reference": reference.REFERENCE,
-}
-_AUTO_BY_BACKEND: dict[str, Impl] = {"tpu": "pallas_tpu", "gpu": "pallas_triton",
-                                     "cpu": "xla_cpu"}
-_FALLBACK: dict[Impl, Impl] = {"pallas_tpu": "xla", "pallas_triton": "xla"}
-logger = logging.getLogger("jaxhead")
+#: ``"auto"``'s order: the platform's kernel, then XLA (the last resort everywhere).
+REGISTRY: dispatch.Registry[HeadImplementation] = dispatch.Registry("impl", [
+    dispatch.Entry("pallas_tpu", pallas_tpu.PALLAS_TPU, platforms=("tpu",)),
+    dispatch.Entry("pallas_triton", pallas_triton.PALLAS_TRITON, platforms=("gpu",)),
+    dispatch.Entry("xla_cpu", xla_cpu.XLA_CPU, platforms=("cpu",)),
+    dispatch.Entry("xla", xla.XLA),
+    dispatch.Entry("reference", reference.REFERENCE, auto=False),
+])
+IMPLEMENTATIONS: dict[Impl, HeadImplementation] = {n: REGISTRY[n] for n in get_args(Impl)}
+_KERNELS = ("pallas_tpu", "pallas_triton")  # under "auto", planned and probed first
 
 
 def resolve_impl(impl: Impl | Literal["auto"], config=None) -> Impl:
-    """The implementation that ``impl`` and ``config`` name.
+    """The implementation that ``impl`` and ``config`` name, before any is planned.
 
-    ``"auto"`` without a config picks by the platform the trace compiles for
-    (``pallas_mode.target_platform``: the mesh in context, else ``jax.default_backend()``):
-    ``"pallas_tpu"`` on TPU, ``"pallas_triton"`` on GPU, ``"xla_cpu"`` on CPU, ``"xla"``
-    elsewhere; ``"auto"`` with a config picks the implementation that config belongs to.
+    ``"auto"`` without a config is the first of ``REGISTRY``'s order for the platform the
+    trace compiles for (``jaxhead.dispatch.target_platform``): ``"pallas_tpu"`` on TPU,
+    ``"pallas_triton"`` on GPU, ``"xla_cpu"`` on CPU, ``"xla"`` elsewhere; ``"auto"`` with
+    a config is the implementation that config belongs to.
 
     Raises:
       ValueError: an unknown name (the valid ones listed).
       TypeError: a config of another implementation than ``impl`` (both named).
     """
+    REGISTRY.check_name(impl)
     names = get_args(Impl)
-    if impl != "auto" and impl not in names:
-        raise ValueError(f"impl must be 'auto' or one of {names}, got {impl!r}")
     if config is not None:
         owner = next((n for n in names if type(config) is IMPLEMENTATIONS[n].config_type), None)
         if owner is None or impl not in ("auto", owner):
@@ -63,45 +62,44 @@ def resolve_impl(impl: Impl | Literal["auto"], config=None) -> Impl:
         return owner
     if impl != "auto":
         return impl
-    return _AUTO_BY_BACKEND.get(pallas_mode.target_platform(), "xla")
+    return REGISTRY.candidates(dispatch.target_platform())[0]
 
 
 def plan(impl: Impl | Literal["auto"], config, spec: HeadSpec):
     """``(implementation, plan, padded rows)`` for ``spec``.
 
     An implementation that cannot run ``spec`` raises under an explicit ``impl``. Under
-    ``"auto"`` a kernel (``pallas_tpu``, ``pallas_triton``) is used only if it plans without
-    any error and its plan lowers, forward and backward, for the target platform
-    (``probe.lowering_error``; not in interpret mode); otherwise the XLA path takes over
-    (with its default config) and the reason is logged (logger ``"jaxhead"``, level
-    WARNING).
+    ``"auto"`` (``jaxhead.dispatch.Registry.resolve``) a kernel (``pallas_tpu``,
+    ``pallas_triton``) is used only if it plans without any error and its plan lowers,
+    forward and backward, for the target platform (``probe.lowering_error``; not in
+    interpret mode); otherwise the next implementation (XLA, with its default config)
+    takes over and the reason is logged (logger ``"jaxhead"``, level WARNING).
 
     Raises:
       KernelUnsupported / ValueError / TypeError: as ``resolve_impl`` and the
         implementation's ``plan`` (explicit ``impl``, or a bad config under ``"auto"``).
     """
     name = resolve_impl(impl, config)
-    chosen = IMPLEMENTATIONS[name]
-    if impl != "auto" or name not in _FALLBACK:
+    if impl != "auto" or name not in _KERNELS:
+        chosen = IMPLEMENTATIONS[name]
         made, padded = chosen.plan(config, spec)
         return chosen, made, padded
-    try:
-        made, padded = chosen.plan(config, spec)
-    except Exception as err:  # any planning failure of a kernel: use XLA
-        user_error = type(err) in (ValueError, TypeError) and config is not None
-        if user_error:
-            raise  # a bad value in the user's config (named), not the kernel's failure
-        reason = str(err) if isinstance(err, KernelUnsupported) else (
-            f"{type(err).__name__}: {err}")
-    else:
-        reason = probe.lowering_error(chosen, made, padded, spec)
-        if reason is None:
-            return chosen, made, padded
-        reason = f"its kernels do not lower for this platform ({reason})"
-    logger.warning("impl='auto': %s cannot run this call (%s); using 'xla'", name, reason)
-    fallback = IMPLEMENTATIONS[_FALLBACK[name]]
-    made, padded = fallback.plan(None, spec)
-    return fallback, made, padded
+
+    def check(candidate: str):
+        head, own = IMPLEMENTATIONS[candidate], config if candidate == name else None
+        try:
+            made, padded = head.plan(own, spec)
+        except KernelUnsupported:
+            raise
+        except Exception as err:  # any planning failure of a kernel: try the next one
+            if type(err) in (ValueError, TypeError) and own is not None:
+                raise  # a bad value in the user's config (named), not the kernel's failure
+            raise KernelUnsupported(f"{type(err).__name__}: {err}") from err
+        reason = probe.lowering_error(head, made, padded, spec)
+        return (head, made, padded) if reason is None else dispatch.Unlowered(reason)
+
+    order = (name, "xla") if config is not None else None
+    return REGISTRY.resolve("auto", check, order=order)[1]
 
 
 def _resolve_bucket(keep, bucket, num_tokens: int) -> int:

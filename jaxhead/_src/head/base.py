@@ -1,6 +1,5 @@
 """What every implementation of the head shares: the problem it is asked to solve
-(``HeadSpec``), the interface it satisfies (``HeadImplementation``), its refusal
-(``KernelUnsupported``), and the custom-VJP scaffold the chunked implementations are built
+(``HeadSpec``), the interface it satisfies (``HeadImplementation``), and the custom-VJP scaffold the chunked implementations are built
 on (``differentiable``).
 
 An implementation works on *compacted* rows: ``h [B, H]`` (padding rows zero),
@@ -21,11 +20,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxhead._src.head import math as hm
-
-
-class KernelUnsupported(ValueError):
-    """An implementation cannot run this call; the message says why (``impl="auto"`` then
-    falls back to the XLA path and logs it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +69,7 @@ class HeadImplementation(Protocol):
         """``(plan, padded rows)`` for ``spec`` with ``config`` (None: the defaults).
 
         Raises:
-          KernelUnsupported: this implementation cannot run ``spec`` here.
+          jaxhead.KernelUnsupported: this implementation cannot run ``spec`` here.
           ValueError / TypeError: a bad ``config`` (the offending value named).
         """
 
@@ -119,8 +113,9 @@ def differentiable(forward: Forward, backward: Backward):
     What it adds, once for every implementation: the ``custom_vjp`` (residuals: the inputs
     and three float32 ``[B]`` vectors, nothing vocabulary-sized but ``w``), the label rule
     (``logp = NaN`` where a label is outside ``[0, V)``, never a silently wrong number), the
-    dtypes (int32 labels; float32 ``1 / temperature`` and ``min_logit``, with no gradient:
-    they are data, not parameters).
+    dtypes (int32 labels; float32 ``1 / temperature`` and ``min_logit``, which get no
+    cotangent: they are data, not parameters, stopped once where the rows are made,
+    ``api.row_inputs``).
     """
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -142,8 +137,7 @@ def differentiable(forward: Forward, backward: Backward):
     head.defvjp(head_fwd, head_bwd)
 
     def call(plan, h, w, labels, inv_temp, min_logit):
-        stop = jax.lax.stop_gradient
-        return head(plan, h, w, labels.astype(jnp.int32), stop(inv_temp.astype(jnp.float32)),
-                    stop(min_logit.astype(jnp.float32)))
+        return head(plan, h, w, labels.astype(jnp.int32), inv_temp.astype(jnp.float32),
+                    min_logit.astype(jnp.float32))
 
     return call

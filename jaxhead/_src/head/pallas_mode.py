@@ -1,11 +1,10 @@
 """Where the Pallas kernels run: on their accelerator (the one a trace compiles for), or
 interpreted on CPU; and the plumbing both kernels share to run inside ``jax.shard_map``.
 
-The platform a trace compiles for (``target_platform``) is the one of the mesh in context
-(``jax.set_mesh``, or ``jax.shard_map``'s own), whose abstract device names it, and
-otherwise ``jax.default_backend()``: under ``jax.set_mesh`` of a TPU topology's devices
-(``jax.experimental.topologies.get_topology_desc``) a CPU-only machine plans, lowers and
-compiles the TPU kernels as a TPU would.
+The platform a trace compiles for is ``jaxhead.dispatch.target_platform`` of the mesh the
+plans are for (``per_device``, else the mesh in context): under ``jax.set_mesh`` of a TPU
+topology's devices (``jax.experimental.topologies.get_topology_desc``) a CPU-only machine
+plans, lowers and compiles the TPU kernels as a TPU would.
 
 The kernels of ``impl="pallas_tpu"`` and ``impl="pallas_triton"`` compile for a TPU or a
 GPU. For tests and CPU dry runs they can run in Pallas interpret mode instead, selected
@@ -33,7 +32,8 @@ from collections.abc import Iterator
 import jax
 from jax import numpy as jnp
 
-from jaxhead._src.head.base import KernelUnsupported
+from jaxhead import dispatch
+from jaxhead.dispatch import KernelUnsupported
 
 ENV_VAR = "JAXHEAD_PALLAS_INTERPRET"
 MODES = (None, "interpret", "races")
@@ -74,22 +74,6 @@ def interpret(mode: str | None = "interpret") -> Iterator[None]:
         _override.reset(token)
 
 
-_compile_for: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "jaxhead_pallas_compile_for", default=None)
-
-
-@contextlib.contextmanager
-def compile_for(platform: str) -> Iterator[None]:
-    """Plans made in this block are for ``platform`` (``"tpu"`` or ``"gpu"``) whatever the
-    backend: for lowering without the devices, e.g. ``jax.jit(f).trace(...).lower(
-    lowering_platforms=("cuda",))`` on a CPU machine (the Triton kernels lower there)."""
-    token = _compile_for.set(platform)
-    try:
-        yield
-    finally:
-        _compile_for.reset(token)
-
-
 _per_device: contextvars.ContextVar[jax.sharding.Mesh | None] = contextvars.ContextVar(
     "jaxhead_pallas_per_device", default=None)
 
@@ -126,17 +110,6 @@ def target_mesh() -> Iterator[None]:
         yield
 
 
-def target_platform() -> str:
-    """The platform the current trace compiles for: ``"tpu"``, ``"gpu"``, ``"cpu"``, ...;
-    the mesh in context decides (see the module docstring), else
-    ``jax.default_backend()``; inside ``compile_for(platform)``, that platform."""
-    if _compile_for.get() is not None:
-        return _compile_for.get()
-    device = target_device()
-    platform = jax.default_backend() if device is None else device.platform
-    return "gpu" if platform in ("cuda", "rocm") else platform
-
-
 def auto_partitioned_devices() -> int:
     """Devices a kernel traced here would be split over by XLA's partitioner: the product
     of the mesh-in-context's axes that are not manual (1 inside a ``jax.shard_map`` over
@@ -149,14 +122,19 @@ def auto_partitioned_devices() -> int:
                      if kind != manual)
 
 
-def check_platform(mode: str | None, platform: str, kernel: str) -> None:
+def planned_mesh() -> jax.sharding.Mesh | None:
+    """The mesh of ``per_device``, or None (the mesh in context decides)."""
+    return _per_device.get()
+
+
+def check_runnable(mode: str | None, platform: str, kernel: str) -> None:
     """Raise ``KernelUnsupported`` unless ``kernel`` can run here: interpreted, or compiled
-    for ``platform`` (``"tpu"`` or ``"gpu"``, see ``target_platform``) on one device each
+    for ``platform`` (``"tpu"`` or ``"gpu"``, ``dispatch.target_platform``) on one device each
     (a compiled kernel cannot be split by XLA's partitioner: over a multi-device mesh it
     must run inside ``jax.shard_map``, as ``jaxhead.sharded_token_logprobs`` does)."""
     if mode is not None:
         return
-    target = target_platform()
+    target = dispatch.target_platform(planned_mesh())
     if target != platform:
         raise KernelUnsupported(
             f"{kernel} needs a {platform} backend, the target is {target!r} (the default "

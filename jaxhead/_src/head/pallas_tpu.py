@@ -1,8 +1,9 @@
 """Fused LM head as Pallas Mosaic TPU kernels: logits tiles live in VMEM, never in HBM.
 
 ``impl="pallas_tpu"``: the contract of every implementation (``jaxhead._src.head.base``) and
-the tile math of ``jaxhead._src.head.math``, with its own settings (``PallasTpuConfig``). Three kernels, tiles of ``T`` tokens by ``C`` vocab columns
-(``TpuBlocks``); ``nt = B / T`` token tiles, ``nv = ceil(V / C)`` vocab tiles:
+the tile math of ``jaxhead._src.head.math``, with its own settings (``PallasTpuConfig``).
+Three kernels, tiles of ``T`` tokens by ``C`` vocab columns (``PallasTpuConfig.block_tokens``,
+``block_vocab``); ``nt = B / T`` token tiles, ``nv = ceil(V / C)`` vocab tiles:
 
 forward, grid ``(nt "parallel", nv "arbitrary")``
   VMEM: the ``h`` tile ``[T, H]`` (fetched once per token tile: its block index does not
@@ -50,7 +51,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxhead._src.head import math as hm
 from jaxhead._src.head import pallas_mode
-from jaxhead._src.head.base import HeadSpec, Implementation, KernelUnsupported, differentiable
+from jaxhead._src.head.base import HeadSpec, Implementation, differentiable
+from jaxhead import dispatch
+from jaxhead.dispatch import KernelUnsupported
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _LANES = 128
@@ -128,14 +131,14 @@ def vmem_bytes(block_tokens: int, block_vocab: int, hidden_size: int, itemsize: 
 
 
 def vmem_capacity() -> int:
-    """VMEM of one TensorCore of the TPU the trace compiles for (``pallas_mode.
+    """VMEM of one TensorCore of the TPU the trace compiles for (``jaxhead.dispatch.
     target_platform``: the mesh set with ``jax.set_mesh``, else the default backend), from
     ``pltpu.get_tpu_info()``: v4 16 MiB, v5e 128 MiB, v5p 64 MiB, v6e 128 MiB (what the
     compiler enforces: larger kernels fail "would exceed memory"). Those are the physical
     sizes; the compiler's smaller scoped default (16 MiB before v6e, 32 MiB on v6e) does not
     apply, as every kernel passes its own ``vmem_limit_bytes``. A TPU this jax does not
     know: 16 MiB. Not compiling for a TPU (interpret mode): 64 MiB."""
-    if pallas_mode.target_platform() != "tpu":
+    if dispatch.target_platform(pallas_mode.planned_mesh()) != "tpu":
         return _INTERPRET_VMEM_BYTES
     try:
         with pallas_mode.target_mesh():
@@ -194,7 +197,7 @@ def make_plan(config: PallasTpuConfig | None, spec: HeadSpec) -> tuple[TpuPlan, 
       ValueError: a misaligned block size (named).
     """
     mode = pallas_mode.interpret_mode()
-    pallas_mode.check_platform(mode, "tpu", "pallas_tpu")
+    pallas_mode.check_runnable(mode, "tpu", "pallas_tpu")
     dtype = jnp.dtype(spec.dtype)
     if dtype not in SUPPORTED_DTYPES:
         raise KernelUnsupported(f"pallas_tpu supports bf16 and float32, got {dtype}")

@@ -3,7 +3,8 @@
 ``impl="pallas_triton"``: the contract of every implementation (``jaxhead._src.head.base``)
 and the tile math of ``jaxhead._src.head.math``, with its own settings
 (``PallasTritonConfig``). Tiles: ``T`` tokens x ``C`` vocab columns, the hidden axis
-stepped ``K`` at a time (``TritonBlocks``); ``nt = B / T``, ``nv = ceil(V / C)``.
+stepped ``K`` at a time (``PallasTritonConfig.block_tokens``, ``block_vocab``,
+``block_hidden``); ``nt = B / T``, ``nv = ceil(V / C)``.
 
 forward kernel, grid ``(nt, S)``
   Program ``(i, s)`` owns token tile ``i`` and the ``s``-th of ``S`` contiguous ranges of
@@ -50,7 +51,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxhead._src.head import math as hm
 from jaxhead._src.head import pallas_mode
-from jaxhead._src.head.base import HeadSpec, Implementation, KernelUnsupported, differentiable
+from jaxhead._src.head.base import HeadSpec, Implementation, differentiable
+from jaxhead.dispatch import KernelUnsupported
 
 SUPPORTED_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 _MIN_BLOCK = 16  # smallest tl.dot operand side
@@ -149,7 +151,7 @@ def make_plan(config: PallasTritonConfig | None, spec: HeadSpec) -> tuple[Triton
         not a multiple of ``block_vocab``, or a non-positive split / warp / stage count.
     """
     mode = pallas_mode.interpret_mode()
-    pallas_mode.check_platform(mode, "gpu", "pallas_triton")
+    pallas_mode.check_runnable(mode, "gpu", "pallas_triton")
     dtype = jnp.dtype(spec.dtype)
     if dtype not in SUPPORTED_DTYPES:
         raise KernelUnsupported(f"pallas_triton supports bf16, f16 and float32, got {dtype}")

@@ -6,7 +6,7 @@ refusing an op, a block shape, a layout) would only fail when the whole program 
 in the user's ``jit(...).lower()``, too late to choose another implementation. So under
 ``"auto"`` a compiled (not interpreted) kernel plan is first lowered on its own: the
 forward and the backward (``jax.grad`` of ``sum(logp) + sum(entropy)``) of abstract inputs
-of the plan's shapes, for the target platform (``pallas_mode.target_platform``). The answer
+of the plan's shapes, for the target platform (``jaxhead.dispatch.target_platform``). The answer
 is cached per (implementation, plan, rows, platform): one probe per distinct call shape
 per process, a few hundred milliseconds each (Mosaic / Triton IR is built, not compiled).
 
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from jaxhead._src.head import pallas_mode
 from jaxhead._src.head.base import HeadSpec
+from jaxhead import dispatch
 
 
 def lowering_error(head, plan, padded: int, spec: HeadSpec) -> str | None:
@@ -49,19 +50,14 @@ def _probe(head, plan, padded: int, spec: HeadSpec, platform: str | None) -> str
         logp, ent = head(plan, h, w, labels, inv_temp, min_logit)
         return jnp.sum(logp) + jnp.sum(ent)
 
-    platforms = None if platform is None else (platform,)
-    try:
-        with _one_device():
-            jax.jit(jax.grad(loss, (0, 1))).trace(*args).lower(lowering_platforms=platforms)
-    except Exception as err:  # noqa: BLE001 - any failure means: do not use this kernel
-        return f"{type(err).__name__}: {' '.join(str(err).split())[:500]}"
-    return None
+    with _one_device():
+        return dispatch.lowering_error(jax.grad(loss, (0, 1)), *args, platform=platform)
 
 
 @contextlib.contextmanager
 def _one_device():
     """No mesh in context: the probe lowers for one device, as the kernel runs (the caller
-    checked that nothing would partition it: ``pallas_mode.check_platform``). Clearing the
+    checked that nothing would partition it: ``pallas_mode.check_runnable``). Clearing the
     concrete mesh of ``jax.set_mesh`` inside a trace has no public API in jax 0.10; without
     the private one the probe runs under that mesh (and may wrongly refuse the kernel)."""
     from jax._src import mesh as mesh_lib
