@@ -14,7 +14,7 @@ from models import get_config, jit_sharded, state_shardings
 from models.mesh import batch_sharding, make_mesh
 from tests.models.padding_cases import LOSS, pad, packed_batch
 from tests.support.models import random_model
-from tests.support.oracle import max_abs
+from harness.oracle import max_abs
 from train import state, steps
 from train.placement import Placement, place_batch
 
