@@ -55,7 +55,7 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.A
 
     Returns:
       ``[B, T, N, D]`` in the dtype of ``v``. A query with no readable key (padding) gets
-      the mean of the values: finite, and ignored by every loss.
+      0, decided by the mask; a query that reads a NaN key or value gets NaN.
     """
     mask = attention_mask(q_positions, q_segment_ids, kv_positions, kv_segment_ids)
     b, t, n, d = q.shape
@@ -66,7 +66,8 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.A
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
-    return out.reshape(b, t, n, d).astype(v.dtype)
+    seen = mask.any(-1)[:, :, None, None]
+    return jnp.where(seen, out.reshape(b, t, n, d), 0.0).astype(v.dtype)
 
 
 def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
@@ -90,7 +91,8 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax
 
     Returns:
       ``[B, T, N, D]`` in the dtype of ``v``; differentiable w.r.t. ``q``, ``k``, ``v``.
-      A query with no readable key (padding) gets 0 (and passes no gradient).
+      A query with no readable key (padding) gets 0 (and passes no gradient), decided by
+      the mask; a query that reads a NaN key or value gets NaN, as in ``dense_attention``.
 
     Raises:
       ValueError: ``N`` not a multiple of ``K``, or non-positive block sizes.
@@ -160,6 +162,7 @@ def _forward(q, k, v, qpos, qseg, kpos, kseg, scale, bq, bk):
         def key_block(carry, xs):
             kb, vb, kp, ks = xs
             mask = attention_mask(qp, qs, kp, ks)
+            carry, seen = carry
 
             def update(carry):
                 m, l, acc = carry
@@ -172,10 +175,13 @@ def _forward(q, k, v, qpos, qseg, kpos, kseg, scale, bq, bk):
                                 preferred_element_type=jnp.float32)
                 return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 
-            return lax.cond(mask.any(), update, lambda c: c, carry), None
+            carry = lax.cond(mask.any(), update, lambda c: c, carry)
+            return (carry, seen | mask.any(-1)), None
 
-        (m, l, acc), _ = lax.scan(key_block, init, kv_xs)
-        seen = l > 0
+        # seen [B, bq]: the query reads some key, decided by the mask (never by the sum,
+        # which is NaN when a key or value it reads is NaN: that NaN must stay).
+        ((m, l, acc), seen), _ = lax.scan(key_block, (init, jnp.zeros((b, bq), bool)), kv_xs)
+        seen = seen[:, None, None, :]
         out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
         return None, (jnp.einsum("bkgqd->bqkgd", out).astype(v.dtype), lse)

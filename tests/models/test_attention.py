@@ -78,6 +78,31 @@ def test_chunked_matches_dense(blocks):
     assert float(jnp.abs(jnp.where((seg == 0)[:, :, None, None], out, 0)).max()) == 0
 
 
+@pytest.mark.parametrize("blocks", [(8, 16), (16, 8)])
+def test_nan_key_stays_nan_and_padding_is_zero(blocks):
+    """A NaN key of one segment makes exactly the queries that read it NaN in the dense and
+    the blockwise path (never 0); padding queries, which read nothing, are 0 in both; every
+    other query matches the dense reference."""
+    t = 40
+    pos, seg = packed([[10, 15, 10], [3, 30, 7]], t)
+    q, k, v, _ = qkv(jax.random.key(3), 2, t, t, 4, 2, 8)
+    k = k.at[0, 14].set(jnp.nan)  # row 0, segment 2 (tokens 10..24), position 4
+    args = (pos, seg, pos, seg)
+    dense = dense_attention(q, k, v, *args, scale=8 ** -0.5)
+    chunked = chunked_attention(q, k, v, *args, scale=8 ** -0.5, block_q=blocks[0],
+                                block_kv=blocks[1])
+    reads_nan = np.zeros((2, t), bool)
+    reads_nan[0, 14:25] = True
+    pad = np.asarray(seg == 0)
+    for out in (dense, chunked):
+        nan = np.isnan(np.asarray(out)).any(axis=(2, 3))
+        np.testing.assert_array_equal(nan, reads_nan)
+        assert np.isnan(np.asarray(out)[reads_nan]).all()
+        assert np.all(np.asarray(out)[pad] == 0)
+    fine = ~reads_nan & ~pad
+    assert rel(chunked[fine], dense[fine]) <= RTOL
+
+
 @pytest.mark.parametrize("impl", ["splash", "pallas_gpu"])
 def test_kernel_matches_dense_interpreted(impl):
     """The TPU / GPU kernels in Pallas interpret mode (CPU), at 2 x 2 tiles of 128."""
