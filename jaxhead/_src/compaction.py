@@ -33,7 +33,7 @@ def kept_indices(keep: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
 def gather_rows(x: jax.Array, idx: jax.Array, fill=0) -> jax.Array:
     """``x[idx]`` along axis 0, with ``fill`` where ``idx`` is out of range (no gradient
     rule needed: used for labels and temperatures)."""
-    return x.at[idx].get(mode="fill", fill_value=fill)
+    return jnp.asarray(x).at[idx].get(mode="fill", fill_value=fill)
 
 
 @jax.custom_vjp
