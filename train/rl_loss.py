@@ -18,7 +18,11 @@ Sources:
   sequence's length (``seq-mean-token-sum-norm``).
 * KL estimators: J. Schulman, "Approximating KL Divergence", 2020
   (http://joschu.net/blog/kl-approx.html): with ``r = pi_ref / pi`` sampled from ``pi``,
-  k1 = ``-log r``, k2 = ``(log r)^2 / 2``, k3 = ``(r - 1) - log r``.
+  k1 = ``-log r``, k2 = ``(log r)^2 / 2``, k3 = ``(r - 1) - log r``. Their values
+  estimate ``KL(pi || pi_ref)`` (k1 and k3 without bias); their gradients, taken through
+  ``log pi`` of the sampled tokens as a loss does, do not all follow it: k3's expected
+  gradient is ``E_pi[(1 - r) grad log pi] = grad KL(pi_ref || pi)``, the reverse KL's
+  (as in DeepSeekMath's GRPO; k2's is ``grad KL(pi || pi_ref)``).
 * PPO: Schulman et al., "Proximal Policy Optimization Algorithms", 2017.
 * Sampler-trainer mismatch: when the rollout's log-probs come from another computation
   than the trainer's (a bf16 KV-cache decode against a full forward, another kernel), the
@@ -134,7 +138,9 @@ def kl_estimate(logp: jax.Array, ref_logp: jax.Array, kind: str) -> jax.Array:
     """Per-token estimate of ``KL(pi || pi_ref)`` from tokens sampled from ``pi``.
 
     With ``d = ref_logp - logp`` (``log r``): k1 ``= -d``, k2 ``= d^2 / 2``,
-    k3 ``= exp(d) - d - 1`` (unbiased and >= 0; GRPO's choice). float32, same shape, as
+    k3 ``= exp(d) - d - 1`` (>= 0, GRPO's choice; its value is unbiased for
+    ``KL(pi || pi_ref)``, but its expected gradient is that of ``KL(pi_ref || pi)``, see the
+    module docstring). float32, same shape, as
     accurate as float32 allows for every gap: ``expm1(d) - d`` cancels for small ``|d|``
     (at ``d = 1e-4`` only 3 digits survive, at ``1e-7`` none, and the result can come out
     negative), so for ``|d| < 1/2`` k3 is its Taylor series ``sum_k d^k / k!`` from ``k = 2``
