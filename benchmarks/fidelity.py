@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harness import fidelity  # noqa: E402
+from harness import fidelity
 
 
 def main() -> None:

@@ -156,8 +156,8 @@ class Registry(Generic[T]):
                 skipped.append((name, str(err)))
                 continue
             if isinstance(result, Unlowered):
-                skipped.append((name, f"its kernels do not lower for this platform "
-                                      f"({result.reason})"))
+                skipped.append((name, (f"its kernels do not lower for this platform "
+                                       f"({result.reason})")))
                 continue
             for refused, reason in skipped:
                 logger.warning("%s='auto': %s cannot run this call (%s); using %r",

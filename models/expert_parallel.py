@@ -63,10 +63,10 @@ from jaxhead.dispatch import target_platform
 from models.experts import combine, expert_ffn, route_valid
 from models.mesh import BATCH_AXES, axis_size, check_divisible, present
 from models.ragged_dispatch import (
-    check_capacity_factor,
-    check_overflow,
     NATIVE,
     REGISTRY,
+    check_capacity_factor,
+    check_overflow,
     ragged_round,
     receive_rows,
 )

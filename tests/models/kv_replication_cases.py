@@ -10,11 +10,11 @@ import numpy as np
 from flax import nnx
 
 import jaxhead
+from harness.oracle import max_abs
 from models import get_config, jit_sharded, state_shardings
 from models.mesh import batch_sharding, make_mesh
-from tests.models.padding_cases import LOSS, pad, packed_batch
+from tests.models.padding_cases import LOSS, packed_batch, pad
 from tests.support.models import random_model
-from harness.oracle import max_abs
 from train import state, steps
 from train.placement import Placement, place_batch
 

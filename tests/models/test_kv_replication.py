@@ -37,9 +37,9 @@ def test_kv_heads_replicate_over_a_wider_tensor_axis():
 
 
 @pytest.mark.parametrize("heads, kv, sizes, message", [
-    (4, 2, {"tensor": 8}, r"over 8 devices \(mesh axes \{'tensor': 8\}\) wider than "
-                          r"num_key_value_heads=2 needs a multiple of 2 devices that divides "
-                          r"num_attention_heads=4"),
+    (4, 2, {"tensor": 8}, (r"over 8 devices \(mesh axes \{'tensor': 8\}\) wider than "
+                           r"num_key_value_heads=2 needs a multiple of 2 devices that divides "
+                           r"num_attention_heads=4")),
     (16, 4, {"tensor": 6}, r"over 6 devices .* num_key_value_heads=4 .* num_attention_heads=16"),
 ])
 def test_other_head_counts_name_the_values(heads, kv, sizes, message):

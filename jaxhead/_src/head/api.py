@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxhead import dispatch
 from jaxhead._src import compaction, validation
 from jaxhead._src.buckets import bucket_size
 from jaxhead._src.head import pallas_tpu, pallas_triton, probe, reference, xla, xla_cpu
 from jaxhead._src.head.base import HeadImplementation, HeadSpec
 from jaxhead._src.types import HeadOutput
-from jaxhead import dispatch
 from jaxhead.dispatch import KernelUnsupported
 
 #: Names of the implementations (``impl=``); ``"auto"`` picks one by platform.

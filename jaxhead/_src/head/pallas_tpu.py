@@ -49,10 +49,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxhead import dispatch
 from jaxhead._src.head import math as hm
 from jaxhead._src.head import pallas_mode
 from jaxhead._src.head.base import HeadSpec, Implementation, differentiable
-from jaxhead import dispatch
 from jaxhead.dispatch import KernelUnsupported
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))

@@ -22,9 +22,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxhead import dispatch
 from jaxhead._src.head import pallas_mode
 from jaxhead._src.head.base import HeadSpec
-from jaxhead import dispatch
 
 
 def lowering_error(head, plan, padded: int, spec: HeadSpec) -> str | None:
