@@ -38,6 +38,9 @@ def _check(hidden, weight, num_valid, temperature, top_k, top_p, min_p):
         raise ValueError(f"num_valid must be in [1, V={vocab}], got {num_valid}")
     if _static(temperature) and not temperature >= 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if jnp.ndim(temperature) != 0:
+        raise ValueError(f"temperature must be a scalar (one for the whole batch), got "
+                         f"shape {jnp.shape(temperature)}")
     if isinstance(top_k, (bool, float)) or (_static(top_k) and not 0 <= top_k <= vocab):
         raise ValueError(f"top_k must be an int in [0, V={vocab}] (0: off), got {top_k!r}")
     if _static(top_p) and not 0 < top_p <= 1:
@@ -256,7 +259,7 @@ def sample(
       ``Sample(tokens, logprobs, min_logit, logmass)``, ``[B]`` each (see ``Sample``).
 
     Raises:
-      ValueError: bad shapes, ``temperature < 0``, ``num_valid`` outside ``[1, V]``, or
+      ValueError: bad shapes, ``temperature < 0`` or not a scalar, ``num_valid`` outside ``[1, V]``, or
         ``top_k`` / ``top_p`` / ``min_p`` outside their ranges (the value named).
     """
     num_valid = _check(hidden, weight, num_valid, temperature, top_k, top_p, min_p)

@@ -195,6 +195,8 @@ def test_bad_arguments_raise():
         jaxhead.sample(hidden, weight, key, num_valid=21)
     with pytest.raises(ValueError, match="temperature"):
         jaxhead.sample(hidden, weight, key, temperature=-1.0)
+    with pytest.raises(ValueError, match=r"temperature must be a scalar .* shape \(4,\)"):
+        jaxhead.sample(hidden, weight, key, temperature=np.full(4, 0.7, np.float32))
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\] \(1: off\), got 0.0"):
         jaxhead.sample(hidden, weight, key, top_p=0.0)
     with pytest.raises(ValueError, match=r"top_k must be an int in \[0, V=20\]"):
