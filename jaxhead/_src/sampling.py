@@ -259,8 +259,9 @@ def sample(
       ``Sample(tokens, logprobs, min_logit, logmass)``, ``[B]`` each (see ``Sample``).
 
     Raises:
-      ValueError: bad shapes, ``temperature < 0`` or not a scalar, ``num_valid`` outside ``[1, V]``, or
-        ``top_k`` / ``top_p`` / ``min_p`` outside their ranges (the value named).
+      ValueError: bad shapes, ``temperature < 0`` or not a scalar, ``num_valid`` outside
+        ``[1, V]``, or ``top_k`` / ``top_p`` / ``min_p`` outside their ranges (the value
+        named).
     """
     num_valid = _check(hidden, weight, num_valid, temperature, top_k, top_p, min_p)
     inv_temp, sampled = _inv_temp(temperature)
