@@ -21,7 +21,7 @@ approximation, and the ``compiled for`` column says which.
 
 Expert dispatch (``--dispatch``, default ``both``: one row each): ``dense``, the
 worst-case all-to-all blocks, or ``ragged``, ``jax.lax.ragged_all_to_all``
-(``models.ragged_dispatch``), with ``--capacity-factor`` sizing its receive buffers (none:
+(``models.moe.ragged``), with ``--capacity-factor`` sizing its receive buffers (none:
 the worst case). XLA:CPU has no ragged all-to-all: without ``--topology`` the ragged row
 is its dense emulation ("ragged (emulated)"), so only TPU-compiler rows compare the two.
 

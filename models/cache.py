@@ -2,7 +2,7 @@
 
 Each cache slot stores the key and value of one token (per layer) plus the token's
 position and segment id. Attention reads every slot and masks by segment id and position
-(see ``models.attention_xla.attention_mask``), so rows may hold prompts of different lengths
+(see ``models.attention.reference.attention_mask``), so rows may hold prompts of different lengths
 (right-padded with segment id 0) and slots not yet written (segment id 0) are never read.
 """
 

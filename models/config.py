@@ -10,9 +10,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from models.attention_ops import REGISTRY as ATTENTION
-from models.ragged_dispatch import REGISTRY as EXPERT_DISPATCH
-from models.ragged_dispatch import check_capacity_factor, check_overflow
+from models.attention.api import REGISTRY as ATTENTION
+from models.moe.api import REGISTRY as EXPERT_DISPATCH
+from models.moe.api import check_capacity_factor, check_overflow
 from models.scan import REMAT_POLICIES
 from models.sharding import DEFAULT_RULES, normalize_rules
 
@@ -54,7 +54,7 @@ class ModelConfig:
     kernel on GPU, ``"xla_chunked"`` elsewhere, falling back to ``"xla_chunked"`` with a
     warning on logger ``"models"`` when a kernel cannot run the shapes) or one of
     ``"xla_chunked"``, ``"splash"``, ``"pallas_gpu"``, ``"dense"`` (the quadratic
-    reference); see ``models.attention_ops``.
+    reference); see ``models.attention.api``.
 
     Expert parallelism (under a mesh with ``expert > 1``): ``expert_dispatch`` is
     ``"auto"`` (``jax.lax.ragged_all_to_all`` on TPU / GPU, the worst-case dense
@@ -68,7 +68,7 @@ class ModelConfig:
     experts, as in GShard / Switch / MaxText) or ``"nan"`` (strict: its token's MoE
     output is NaN, so the loss is NaN rather than different from the dropless model).
     Padding (segment id 0) is never dispatched and takes no capacity. See
-    ``models.ragged_dispatch``.
+    ``models.moe.api``.
 
     Head: ``final_logit_softcapping`` (Gemma 2 style ``c * tanh(z / c)`` on the logits,
     forwarded to jaxhead) or None.

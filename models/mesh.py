@@ -17,7 +17,7 @@ Axis types: every axis is ``AxisType.Auto`` (``jax.make_mesh`` defaults to Expli
 recent JAX). The model code carries no sharding annotations; under ``jax.jit`` with
 ``NamedSharding`` in/out shardings the compiler propagates the layout (GSPMD / Shardy),
 and the parts whose communication matters are written explicitly with ``jax.shard_map``
-(MoE all-to-all in ``models.expert_parallel``, the head in
+(MoE all-to-all in ``models.moe.api``, the head in
 ``jaxhead.sharded_token_logprobs``, given ``BATCH_AXES`` as its token axes). With Explicit
 axes every ambiguous op in the model would need an ``out_sharding``.
 

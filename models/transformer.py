@@ -10,12 +10,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxhead
-from models.attention import Attention
+from models.attention.layer import Attention
 from models.cache import KVCache, check_room, init_cache, layer_view, write_tokens
 from models.config import ModelConfig
 from models.layers import MLP, RMSNorm, embedding
 from models.mesh import BATCH_AXES, active_mesh, present
-from models.moe import MoE, RouterStats, dropped_fraction, load_balancing_loss
+from models.moe.layer import MoE, RouterStats, dropped_fraction, load_balancing_loss
 from models.scan import REMAT_POLICIES, layer_at, scan_layers, stack_modules
 
 
@@ -29,7 +29,7 @@ class DecoderOutput(NamedTuple):
       aux_loss: float32 scalar load-balancing loss over the MoE layers (0 for a dense
         model); weight it with ``cfg.router_aux_loss_coef`` if the trainer uses it.
       dropped_fraction: float32 scalar: the fraction of the real (token, expert) pairs
-        the MoE layers dropped for capacity (``models.moe.dropped_fraction``; 0 for a
+        the MoE layers dropped for capacity (``models.moe.layer.dropped_fraction``; 0 for a
         dense model and without ``cfg.expert_capacity_factor``).
     """
 

@@ -75,15 +75,15 @@ def test_lowering_error_names_the_failure():
 
 
 def test_attention_auto_falls_back_when_the_kernel_does_not_lower(monkeypatch, caplog):
-    from models import attention_ops
+    from models.attention import api as attention_api
     from tests.models.test_attention import packed, qkv
 
     pos, seg = packed([[100, 28]], 128)  # a length splash accepts
     q, k, v, _ = qkv(jax.random.key(3), 1, 128, 128, 4, 2, 8)
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     monkeypatch.setattr(dispatch, "lowering_error", lambda *a, **kw: "MosaicError: no")
-    monkeypatch.setattr(attention_ops, "chunked_attention", lambda *a, **kw: "chunked")
+    monkeypatch.setattr(attention_api, "chunked_attention", lambda *a, **kw: "chunked")
     with caplog.at_level(logging.WARNING, logger="jaxhead"):
-        assert attention_ops.self_attention(q, k, v, pos, seg, scale=0.3) == "chunked"
+        assert attention_api.self_attention(q, k, v, pos, seg, scale=0.3) == "chunked"
     assert "splash cannot run this call (its kernels do not lower for this platform " \
            "(MosaicError: no)); using 'xla_chunked'" in caplog.text

@@ -1,4 +1,4 @@
-"""Multi-device cases of the MoE capacity (``models.ragged_dispatch``), run in a subprocess
+"""Multi-device cases of the MoE capacity (``models.moe.ragged``), run in a subprocess
 with 8 CPU devices by ``tests/models/test_moe_capacity.py``: padding takes no capacity,
 real pairs past it are dropped by GShard's priority (checked against a float64 reference
 of the rule), strict mode turns them into NaN, and the model reports the dropped
@@ -13,9 +13,10 @@ from flax import nnx
 
 import jaxhead
 from harness.oracle import max_abs
-from models import expert_parallel, get_config
-from models.moe import route
-from models.ragged_dispatch import receive_rows
+from models import get_config
+from models.moe.api import routed_experts
+from models.moe.layer import route
+from models.moe.ragged import receive_rows
 from tests.models.sharding_cases import compare_on_mesh
 from tests.support.models import random_model
 
@@ -100,7 +101,7 @@ def _run(mesh_shape, overflow, x, experts, weights, valid, params, cotangent):
     f32 = [jnp.asarray(a, jnp.float32) for a in (x, weights, *params)]
 
     def layer(x, weights, *p):
-        return expert_parallel.routed_experts(
+        return routed_experts(
             x, jnp.asarray(experts), weights, *p, mesh=mesh, dispatch="ragged",
             capacity_factor=FACTOR, overflow=overflow, max_rows=MAX_ROWS,
             token_mask=jnp.asarray(valid))

@@ -151,8 +151,8 @@ def layer_case() -> dict:
     (one device; data=2 x expert=4 dense; ragged with a capacity factor the real tokens
     fit) vs one device on the real tokens alone: outputs and gradients on the real
     tokens, and what padding gets (output, gradient of its hidden state and weights)."""
-    from models import expert_parallel
-    from models import experts as experts_lib
+    from models.moe.api import routed_experts
+    from models.moe.reference import dropless_experts
 
     rng = np.random.default_rng(5)
     tokens, h, i, e, k = 128, 16, 8, 8, 2
@@ -172,15 +172,15 @@ def layer_case() -> dict:
         return y, pull(cotangent), dropped
 
     def one_device(*args, token_mask=None):
-        return experts_lib.dropless_experts(*args, token_mask=token_mask), jnp.zeros(())
+        return dropless_experts(*args, token_mask=token_mask), jnp.zeros(())
 
     ref_y, ref_g, _ = jax.jit(lambda: vjp(one_device, x[mask], experts[mask],
                                           weights[mask], cotangent[mask]))()
     mesh = make_mesh({"data": 2, "expert": 4})
     paths = {"one_device": partial(one_device, token_mask=mask),
-             "dense": partial(expert_parallel.routed_experts, mesh=mesh, token_mask=mask,
+             "dense": partial(routed_experts, mesh=mesh, token_mask=mask,
                               dispatch="dense"),
-             "ragged_factor": partial(expert_parallel.routed_experts, mesh=mesh,
+             "ragged_factor": partial(routed_experts, mesh=mesh,
                                       token_mask=mask, dispatch="ragged",
                                       capacity_factor=1.5)}
     out = {}

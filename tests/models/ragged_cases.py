@@ -1,4 +1,4 @@
-"""Multi-device cases of the ragged expert dispatch (``models.ragged_dispatch``), run in a
+"""Multi-device cases of the ragged expert dispatch (``models.moe.ragged``), run in a
 subprocess with 8 CPU devices by ``tests/models/test_ragged_dispatch.py``. XLA:CPU has no
 ``ragged_all_to_all``, so ``dispatch="ragged"`` runs its emulation here: these cases check
 the ragged path's offsets, sizes, layout and capacity handling against the dense path."""
@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from harness.oracle import max_abs
-from models import expert_parallel
-from models import experts as experts_lib
 from models.mesh import make_mesh
-from models.ragged_dispatch import emulated_ragged_all_to_all
+from models.moe.api import routed_experts
+from models.moe.ragged import emulated_ragged_all_to_all
+from models.moe.reference import dropless_experts
 
 TOKENS, HIDDEN, MLP, EXPERTS, TOP_K = 128, 32, 16, 8, 2
 
@@ -38,8 +38,8 @@ def _vjp(routing, mesh=None, **kw):
 
     def layer(x, *p):
         if mesh is None:
-            return experts_lib.dropless_experts(x, experts, weights, *p)
-        return expert_parallel.routed_experts(x, experts, weights, *p, mesh=mesh, **kw)[0]
+            return dropless_experts(x, experts, weights, *p)
+        return routed_experts(x, experts, weights, *p, mesh=mesh, **kw)[0]
 
     def run():
         out, pull = jax.vjp(layer, x, *params)

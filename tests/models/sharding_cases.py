@@ -18,9 +18,10 @@ from jax.experimental import multihost_utils
 
 import jaxhead
 from harness.oracle import head_inputs, max_abs
-from models import expert_parallel, get_config, jit_sharded, state_shardings
-from models import experts as experts_lib
+from models import get_config, jit_sharded, state_shardings
 from models.mesh import BATCH_AXES, batch_sharding, make_mesh, present
+from models.moe.api import routed_experts, tokens_per_dispatch
+from models.moe.reference import dropless_experts
 from tests.support.models import random_model
 from train.distributed import initialize_distributed
 from train.placement import place_batch
@@ -126,7 +127,7 @@ def _collectives(hlo: str, expert_shapes) -> dict:
 
 def _dispatch_rounds(mesh) -> dict:
     """The expert-parallel layer with its tokens sent in 4 all-to-all rounds (a small
-    ``max_rows``) vs ``models.experts.dropless_experts``: values and gradients."""
+    ``max_rows``) vs ``models.moe.reference.dropless_experts``: values and gradients."""
     rng = np.random.default_rng(4)
     tokens, h, i, e, k = 128, 32, 16, 8, 2  # 16 tokens per device, 2 experts per device
     x = jnp.asarray(rng.standard_normal((tokens, h)), jnp.float32)
@@ -135,16 +136,16 @@ def _dispatch_rounds(mesh) -> dict:
     params = tuple(jnp.asarray(rng.standard_normal(s) / 4, jnp.float32)
                    for s in ((e, h, i), (e, h, i), (e, i, h)))
     cotangent = jnp.asarray(rng.standard_normal((tokens, h)), jnp.float32)
-    rounds = tokens // 8 // expert_parallel.tokens_per_dispatch(tokens // 8, 4, k, 2, 32)
+    rounds = tokens // 8 // tokens_per_dispatch(tokens // 8, 4, k, 2, 32)
 
     def vjp(layer):
         out, pull = jax.vjp(lambda x, *p: layer(x, experts, weights, *p), x, *params)
         return out, pull(cotangent)
 
     def sharded(*args):
-        return expert_parallel.routed_experts(*args, mesh=mesh, max_rows=32)[0]
+        return routed_experts(*args, mesh=mesh, max_rows=32)[0]
 
-    ref = jax.jit(lambda: vjp(experts_lib.dropless_experts))()
+    ref = jax.jit(lambda: vjp(dropless_experts))()
     with jax.set_mesh(mesh):
         got = jax.jit(lambda: vjp(sharded))()
     return {"rounds": rounds, "value": max_abs(got[0], ref[0]),
@@ -273,8 +274,8 @@ def attention_kernels_case() -> dict:
     over tensor); forward and gradients against the dense reference; what ``"auto"``
     picks on a CPU mesh; rows that do not split over the batch axes."""
     from jaxhead.dispatch import KernelUnsupported, target_platform
-    from models.attention_ops import REGISTRY, self_attention
-    from models.attention_xla import dense_attention
+    from models.attention.api import REGISTRY, self_attention
+    from models.attention.reference import dense_attention
 
     b, t, n, kv, d = 4, 256, 4, 2, 32
     keys = jax.random.split(jax.random.key(5), 4)

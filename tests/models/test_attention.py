@@ -10,10 +10,11 @@ import pytest
 from flax import nnx
 
 from jaxhead.dispatch import KernelUnsupported
-from models import attention_ops
-from models.attention_kernels import check_packing
-from models.attention_ops import cache_attention, self_attention
-from models.attention_xla import chunked_attention, dense_attention
+from models.attention import api as attention_api
+from models.attention.api import cache_attention, self_attention
+from models.attention.base import check_packing
+from models.attention.reference import dense_attention
+from models.attention.xla import chunked_attention
 from models.config import ModelConfig, get_config
 from models.transformer import DecoderLayer
 from tests.support.multidevice import run_case
@@ -119,7 +120,7 @@ def test_auto_falls_back_with_a_log(monkeypatch, caplog):
     with pytest.raises(KernelUnsupported, match="multiple"):
         self_attention(q, k, v, pos, seg, scale=0.3, impl="splash")
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    monkeypatch.setattr(attention_ops, "chunked_attention", lambda *a, **kw: "chunked")
+    monkeypatch.setattr(attention_api, "chunked_attention", lambda *a, **kw: "chunked")
     with caplog.at_level(logging.WARNING, logger="jaxhead"):
         assert self_attention(q, k, v, pos, seg, scale=0.3, impl="auto") == "chunked"
     assert "splash cannot run this call" in caplog.text

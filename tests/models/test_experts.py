@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.experts import expert_ffn, rows_per_chunk
+from models.moe.experts import expert_ffn, rows_per_chunk
 
 
 def test_row_chunks_equal_one_call():

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models import expert_parallel
 from models.mesh import MeshConfig, check_divisible, make_mesh
+from models.moe.api import routed_experts
 from tests.support.multidevice import abstract_mesh, run_case
 
 MESH = abstract_mesh(data=2, expert=4)
@@ -32,7 +32,7 @@ def test_moe_arrays_not_divisible_by_the_mesh():
     experts, weights = np.zeros((16, 2), np.int32), np.zeros((16, 2), np.float32)
     with pytest.raises(ValueError, match=r"dimension 0 \(expert\) of size 6 is not divisible by "
                                          r"the 4 devices"):
-        expert_parallel.routed_experts(x, experts, weights, gate, gate,
+        routed_experts(x, experts, weights, gate, gate,
                                        gate.transpose(0, 2, 1), mesh=MESH)
 
 
@@ -43,7 +43,7 @@ def test_batch_not_divisible_by_the_data_axes():
     experts, weights = np.zeros((12, 2), np.int32), np.zeros((12, 2), np.float32)
     gate = np.zeros((8, 64, 32), np.float32)
     with pytest.raises(ValueError, match=r"12 rows is not divisible by the 8 shards"):
-        expert_parallel.routed_experts(x, experts, weights, gate, gate,
+        routed_experts(x, experts, weights, gate, gate,
                                        gate.transpose(0, 2, 1), mesh=MESH)
 
 

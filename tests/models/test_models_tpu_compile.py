@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh
 
 from harness import tpu_compile as tc
-from models.attention_ops import self_attention
+from models.attention.api import self_attention
 from models.config import get_config
 from models.mesh import AXES
 from models.transformer import DecoderLayer

@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 from models import Transformer, get_config
-from models.moe import MoE, dropless_experts, route
+from models.moe.layer import MoE, route
+from models.moe.reference import dropless_experts
 from tests.support.models import random_model
 
 

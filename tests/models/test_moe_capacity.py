@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from models import get_config
-from models.ragged_dispatch import kept_rows
+from models.moe.ragged import kept_rows
 from tests.support.multidevice import run_case
 
 

@@ -1,4 +1,4 @@
-"""Ragged expert dispatch (``models.ragged_dispatch``): on 8 CPU devices (emulated
+"""Ragged expert dispatch (``models.moe.ragged``): on 8 CPU devices (emulated
 ``ragged_all_to_all``, in a subprocess) equal to the dense dispatch and to one device,
 forward and gradients, float32, random and skewed routing; a capacity overflow in strict
 mode gives NaN rows; the ``"auto"`` choice and the config checks."""
@@ -9,7 +9,8 @@ import pytest
 
 from jaxhead.dispatch import target_platform
 from models import get_config
-from models.ragged_dispatch import REGISTRY, receive_rows
+from models.moe.api import REGISTRY
+from models.moe.ragged import receive_rows
 from tests.support.multidevice import abstract_mesh, run_case
 
 TOL = 1e-4

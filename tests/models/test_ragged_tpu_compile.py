@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from harness import tpu_compile as tc
-from models import expert_parallel
 from models.mesh import make_mesh
+from models.moe.api import routed_experts
 
 #: 1024 tokens per chip, E = 16 experts (4 per chip), top-4: the dense blocks hold
 #: 4 x min(4, 4) = 16x the balanced load.
@@ -41,7 +41,7 @@ def _compile(dispatch: str, capacity_factor=None):
             jax.ShapeDtypeStruct((EXPERTS, MLP, HIDDEN), bf16))
 
     def loss(x, experts, weights, gate, up, down):
-        y, _ = expert_parallel.routed_experts(x, experts, weights, gate, up, down, mesh=mesh,
+        y, _ = routed_experts(x, experts, weights, gate, up, down, mesh=mesh,
                                               dispatch=dispatch,
                                               capacity_factor=capacity_factor)
         return jnp.sum(y.astype(jnp.float32) ** 2)

@@ -45,7 +45,8 @@ def test_state_shardings_and_init_sharded():
 
 
 def test_rules_are_config_data():
-    from models import DEFAULT_RULES, expert_parallel
+    from models import DEFAULT_RULES
+    from models.moe.api import routed_experts
 
     cfg = get_config("tiny-moe", sharding_rules=[["expert", "data"], ["mlp", ["fsdp", "tensor"]]])
     assert cfg.sharding_rules == (("expert", "data"), ("mlp", ("fsdp", "tensor")))
@@ -62,10 +63,10 @@ def test_rules_are_config_data():
     args = (x, experts, experts.astype(np.float32), gate, gate, gate.transpose(0, 2, 1))
     with pytest.raises(ValueError, match=r"size 3 is not divisible by the 4 devices of mesh "
                                          r"axes \('expert',\)"):
-        expert_parallel.routed_experts(*args, mesh=mesh)
+        routed_experts(*args, mesh=mesh)
     with pytest.raises(ValueError, match=r"size 3 is not divisible by the 2 devices of mesh "
                                          r"axes \('data',\)"):
-        expert_parallel.routed_experts(*args, mesh=mesh, rules=cfg.sharding_rules)
+        routed_experts(*args, mesh=mesh, rules=cfg.sharding_rules)
 
 
 def test_init_sharded_without_a_mesh():

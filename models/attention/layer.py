@@ -2,7 +2,7 @@
 
 Masking comes from per-token segment ids and positions: a query attends to a key iff both
 are in the same non-zero segment and the key's position is not after the query's. The
-attention itself is ``models.attention_ops`` (``cfg.attention_impl``): blockwise, with no
+attention itself is ``models.attention.api`` (``cfg.attention_impl``): blockwise, with no
 ``[T, S]`` mask or score buffer, except the ``"dense"`` reference and one-token decoding.
 """
 
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from models.attention_ops import cache_attention, self_attention
+from models.attention.api import cache_attention, self_attention
 from models.cache import LayerKV, write_kv
 from models.config import ModelConfig
 from models.layers import RMSNorm, apply_rope, param

@@ -10,15 +10,16 @@ load-balancing loss) leave it out. So adding padding rows or padding tokens chan
 real token's output.
 
 Under a device mesh (``jax.set_mesh``, e.g. via ``models.sharding.jit_sharded``) the
-experts run expert-parallel: ``models.expert_parallel`` (``ModelConfig.expert_dispatch``:
-ragged all-to-all on TPU / GPU, ``models.ragged_dispatch``; worst-case blocks on CPU).
-With ``ModelConfig.expert_capacity_factor`` set, the ragged receive buffer holds ``f``
-times the balanced load; real pairs past it are dropped in GShard's priority order (a
-dropped pair adds 0: its token keeps its residual and its other experts, with their
-router weights unchanged) and counted (``RouterStats.dropped``, the step's
-``DecoderOutput.dropped_fraction``); ``ModelConfig.expert_capacity_overflow="nan"``
-(strict) gives those tokens NaN outputs instead. A drop changes the trained model away
-from the sampled one (RL log-probs), so watch the dropped fraction, or stay dropless.
+experts run expert-parallel: ``models.moe.api`` (``ModelConfig.expert_dispatch``:
+ragged all-to-all on TPU / GPU, ``models.moe.ragged``; worst-case blocks on CPU,
+``models.moe.dense``). With ``ModelConfig.expert_capacity_factor`` set, the ragged
+receive buffer holds ``f`` times the balanced load; real pairs past it are dropped in
+GShard's priority order (a dropped pair adds 0: its token keeps its residual and its
+other experts, with their router weights unchanged) and counted (``RouterStats.dropped``,
+the step's ``DecoderOutput.dropped_fraction``);
+``ModelConfig.expert_capacity_overflow="nan"`` (strict) gives those tokens NaN outputs
+instead. A drop changes the trained model away from the sampled one (RL log-probs), so
+watch the dropped fraction, or stay dropless.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import expert_parallel
 from models.config import ModelConfig
-from models.experts import dropless_experts
 from models.layers import param
+from models.moe.api import routed_experts
+from models.moe.reference import dropless_experts
 
 
 class RouterStats(NamedTuple):
@@ -118,7 +119,7 @@ class MoE(nnx.Module):
             y = dropless_experts(flat, experts, weights, *params, token_mask=mask)
             dropped = jnp.zeros((), jnp.float32)
         else:
-            y, lost = expert_parallel.routed_experts(
+            y, lost = routed_experts(
                 flat, experts, weights, *params, mesh=mesh, rules=self.rules,
                 dispatch=self.dispatch, capacity_factor=self.capacity_factor,
                 overflow=self.overflow, token_mask=mask)

@@ -3,17 +3,17 @@
 Implementations (``REGISTRY``, in ``"auto"``'s order):
 
 * ``"xla_chunked"``: blockwise attention in XLA with an online softmax and a recomputing
-  backward (``models.attention_xla.chunked_attention``); any backend, memory linear in
-  the length. The portable default and the fallback.
-* ``"splash"``: JAX's TPU splash attention kernel (``models.attention_kernels``).
-* ``"pallas_gpu"``: JAX's Pallas GPU (Triton) FlashAttention kernel. Chosen on GPU over
-  ``jax.nn.dot_product_attention(implementation="cudnn")`` because in this JAX (0.10)
-  that function takes padding only as per-row ``query_seq_lengths`` /
+  backward (``xla.py``, ``chunked_attention``); any backend, memory linear in the
+  length. The portable default and the fallback.
+* ``"splash"``: JAX's TPU splash attention kernel (``pallas_tpu.py``).
+* ``"pallas_gpu"``: JAX's Pallas GPU (Triton) FlashAttention kernel (``pallas_gpu.py``).
+  Chosen on GPU over ``jax.nn.dot_product_attention(implementation="cudnn")`` because in
+  this JAX (0.10) that function takes padding only as per-row ``query_seq_lengths`` /
   ``key_value_seq_lengths`` and anything else as a dense ``[B, N, T, S]`` mask or bias,
   so packed segments would bring back the quadratic buffer; the Pallas kernel takes
   ``segment_ids`` directly.
 * ``"dense"``: the materialised ``[B, T, S]`` mask and scores
-  (``models.attention_xla.dense_attention``): the test reference.
+  (``reference.py``, ``dense_attention``): the test reference.
 
 ``"auto"`` (``jaxhead.dispatch.Registry.resolve``) picks by the platform the trace
 compiles for (``jaxhead.dispatch.target_platform``: the devices of the mesh in context,
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -44,13 +45,16 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhead import dispatch
 from jaxhead.dispatch import KernelUnsupported
-from models.attention_kernels import check_packing, pallas_gpu_attention, splash_attention
-from models.attention_xla import chunked_attention, dense_attention
+from models.attention.base import check_packing
+from models.attention.pallas_gpu import pallas_gpu_attention
+from models.attention.pallas_tpu import splash_attention
+from models.attention.reference import dense_attention
+from models.attention.xla import chunked_attention
 from models.mesh import BATCH_AXES
 
 #: ``ModelConfig.attention_impl`` values, in ``"auto"``'s order; a kernel's value is
 #: ``(function, platform)``, the XLA paths' None.
-REGISTRY = dispatch.Registry("attention_impl", [
+REGISTRY: dispatch.Registry[tuple[Callable, str] | None] = dispatch.Registry("attention_impl", [
     dispatch.Entry("splash", (splash_attention, "tpu"), platforms=("tpu",)),
     dispatch.Entry("pallas_gpu", (pallas_gpu_attention, "gpu"), platforms=("gpu",)),
     dispatch.Entry("xla_chunked", None),
@@ -69,7 +73,7 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
       q: ``[B, T, N, D]``; k, v: ``[B, T, K, D]`` (``N % K == 0``); compute dtype.
       positions, segment_ids: int ``[B, T]``; segment id 0 is padding. The kernels also
         need positions increasing with the index within each segment
-        (``models.attention_kernels.check_packing``, checked when concrete).
+        (``models.attention.base.check_packing``, checked when concrete).
       scale: logit scale (``D ** -0.5``).
       impl: ``"auto"`` or one of ``IMPLEMENTATIONS``.
 

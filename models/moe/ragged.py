@@ -1,5 +1,5 @@
-"""Ragged expert-parallel dispatch: ``jax.lax.ragged_all_to_all`` instead of the
-worst-case ``[P, C, H]`` blocks of ``models.expert_parallel``.
+"""``"ragged"`` expert dispatch: ``jax.lax.ragged_all_to_all`` instead of the
+worst-case ``[P, C, H]`` blocks of ``models.moe.dense``.
 
 One round, inside ``jax.shard_map``, per device (``P`` devices on the expert axis, each
 owning ``E_l`` experts, ``t`` tokens, ``k`` experts per token):
@@ -17,7 +17,7 @@ owning ``E_l`` experts, ``t`` tokens, ``k`` experts per token):
    ``all_to_all`` tells every sender how many rows of each slice to send and where they
    land;
 3. ``ragged_all_to_all`` delivers the rows, already grouped: the grouped SwiGLU
-   (``models.experts.expert_ffn``) runs on the ``R`` rows with no re-sort;
+   (``models.moe.experts.expert_ffn``) runs on the ``R`` rows with no re-sort;
 4. a second ``ragged_all_to_all`` sends each result back to its sender's ``[t * k, H]``
    buffer, at the pair's sorted position; results are unsorted and combined in float32.
 
@@ -72,43 +72,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxhead import dispatch
-from models.experts import combine, expert_ffn, route_valid
+from models.moe.experts import combine, expert_ffn, route_valid
 
 #: The platforms with a native ``ragged_all_to_all``.
 NATIVE = ("tpu", "gpu")
-
-#: ``ModelConfig.expert_dispatch`` values, in ``"auto"``'s order: ragged where the platform
-#: has ``ragged_all_to_all`` (TPU, GPU; ``jaxhead.dispatch.target_platform`` of the mesh),
-#: else dense (an explicit ``"ragged"`` runs ``emulated_ragged_all_to_all`` there).
-REGISTRY = dispatch.Registry("expert_dispatch", [
-    dispatch.Entry("ragged", None, platforms=NATIVE),
-    dispatch.Entry("dense", None),
-])
-#: ``ModelConfig.expert_capacity_overflow`` values: what a real pair past the capacity
-#: gets (the module docstring).
-OVERFLOWS = ("drop", "nan")
-
-
-def check_capacity_factor(factor: float | None) -> None:
-    """Raise unless ``factor`` is None or a finite number > 0.
-
-    Raises:
-      ValueError: naming ``factor``.
-    """
-    if factor is not None and not (math.isfinite(factor) and factor > 0):
-        raise ValueError(f"expert_capacity_factor must be None or > 0, got {factor!r}")
-
-
-def check_overflow(overflow: str) -> None:
-    """Raise unless ``overflow`` is one of ``OVERFLOWS``.
-
-    Raises:
-      ValueError: naming ``overflow``.
-    """
-    if overflow not in OVERFLOWS:
-        raise ValueError(f"expert_capacity_overflow must be one of {OVERFLOWS}, got "
-                         f"{overflow!r}")
 
 
 def receive_rows(tokens: int, devices: int, top_k: int, local_experts: int,

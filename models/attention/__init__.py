@@ -1,0 +1,19 @@
+"""Attention, one op folder (as ``jaxhead/_src/head/``).
+
+  layer.py        ``Attention``: the Qwen3 nnx layer (projections, q/k norm, RoPE)
+  api.py          ``self_attention`` / ``cache_attention``, ``REGISTRY`` (the
+                  ``ModelConfig.attention_impl`` values), ``"auto"`` and its fallback
+  base.py         what the kernels share: ``check_packing``, ``block_size``
+  reference.py    ``"dense"``: ``attention_mask``, ``dense_attention``
+  xla.py          ``"xla_chunked"``: ``chunked_attention``
+  pallas_tpu.py   ``"splash"``: ``splash_attention``
+  pallas_gpu.py   ``"pallas_gpu"``: ``pallas_gpu_attention``
+
+The layer is imported from ``models.attention.layer``, not re-exported here: it imports
+``models.config``, which imports ``api``'s registry, so importing this package must not
+import the layer (a circular import).
+"""
+
+from models.attention.api import IMPLEMENTATIONS, REGISTRY, cache_attention, self_attention
+
+__all__ = ["IMPLEMENTATIONS", "REGISTRY", "cache_attention", "self_attention"]

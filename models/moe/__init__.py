@@ -1,0 +1,22 @@
+"""The Qwen3-MoE block, one op folder (as ``jaxhead/_src/head/``).
+
+  layer.py        ``MoE`` (router + experts), ``route``, ``RouterStats``,
+                  ``load_balancing_loss``, ``dropped_fraction``
+  api.py          ``routed_experts`` (expert parallelism under a mesh), ``REGISTRY`` (the
+                  ``ModelConfig.expert_dispatch`` values) and its ``"auto"``, the
+                  capacity / overflow checks
+  experts.py      what every path shares: grouped SwiGLU ``expert_ffn``, ``combine``,
+                  ``route_valid``
+  reference.py    ``dropless_experts``: one device, no mesh
+  dense.py        ``"dense"``: worst-case blocks and ``all_to_all``
+  ragged.py       ``"ragged"``: ``ragged_all_to_all`` (emulated on CPU), the capacity rule
+
+The layer is imported from ``models.moe.layer``, not re-exported here: it imports
+``models.config``, which imports ``api``'s registry and checks, so importing this package
+must not import the layer (a circular import).
+"""
+
+from models.moe.api import OVERFLOWS, REGISTRY, routed_experts
+from models.moe.reference import dropless_experts
+
+__all__ = ["OVERFLOWS", "REGISTRY", "dropless_experts", "routed_experts"]

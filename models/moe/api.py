@@ -1,0 +1,224 @@
+"""Expert parallelism: tokens travel to the devices that own their experts (GShard), by
+the dispatch path that ``ModelConfig.expert_dispatch`` names.
+
+``routed_experts`` runs inside ``jax.shard_map`` over the whole mesh, with ``P`` devices
+on the ``expert`` axis, each owning ``E_l = E / P`` experts (``[E_l, H, I]`` of each
+projection: no device ever holds, or gathers, another device's experts). Two dispatch
+paths (``REGISTRY``, in ``"auto"``'s order):
+
+* ``"ragged"``: ``jax.lax.ragged_all_to_all`` (``ragged.py``: no padded send block, the
+  received rows arrive grouped, and the receive buffer may be sized by a capacity factor,
+  past which real pairs are dropped, see ``routed_experts``). ``"auto"`` takes it where
+  the mesh's platform has it (TPU, GPU: ``ragged.NATIVE``); an explicit ``"ragged"``
+  runs its emulation elsewhere.
+* ``"dense"``: worst-case ``[P, C, H]`` blocks and ``jax.lax.all_to_all`` (``dense.py``),
+  dropless with static shapes. XLA:CPU has no ragged all-to-all, so there ``"auto"``
+  takes this path.
+
+Both give what the single-device ``models.moe.reference.dropless_experts`` gives (up to
+the ragged path's capacity drops). The body is rematerialised in the backward pass
+(``jax.checkpoint``), so the dispatch buffers live for one layer at a time, never for the
+whole network: the backward repeats the dispatch (3 more all-to-alls per layer on the
+dense path). And a device's tokens go through the all-to-all in equal rounds
+(``lax.map``) of at most ``MAX_DISPATCH_ROWS`` receive rows (``tokens_per_dispatch``):
+the buffers are bounded whatever T (for the example of ``dense.py``: 4 rounds of 512
+tokens, 2 x 128 MiB), at the price of more, smaller all-to-alls.
+
+Other axes: the tokens are split over ``BATCH_AXES`` (``data, fsdp, expert``). Expert
+weights split on their hidden dimension over ``fsdp`` are all-gathered over ``fsdp``
+(only this device's ``E_l`` experts, ZeRO-3 style); split on their MLP width over
+``tensor``, each device computes a partial down-projection and the combined output is
+summed over ``tensor`` (Megatron-style).
+
+Sources: Lepikhin et al., "GShard" (2020); Fedus et al., "Switch Transformers" (2021).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxhead.dispatch import Entry, Registry, target_platform
+from models.mesh import BATCH_AXES, axis_size, check_divisible, present
+from models.moe.dense import dense_round
+from models.moe.ragged import NATIVE, ragged_round, receive_rows
+from models.sharding import DEFAULT_RULES, logical_to_mesh
+
+#: ``ModelConfig.expert_dispatch`` values, in ``"auto"``'s order: ragged where the platform
+#: has ``ragged_all_to_all`` (TPU, GPU; ``jaxhead.dispatch.target_platform`` of the mesh),
+#: else dense (an explicit ``"ragged"`` runs ``ragged.emulated_ragged_all_to_all`` there).
+REGISTRY: Registry[None] = Registry("expert_dispatch", [
+    Entry("ragged", None, platforms=NATIVE),
+    Entry("dense", None),
+])
+#: ``ModelConfig.expert_capacity_overflow`` values: what a real pair past the capacity
+#: gets (``models.moe.ragged``'s docstring).
+OVERFLOWS = ("drop", "nan")
+
+
+def check_capacity_factor(factor: float | None) -> None:
+    """Raise unless ``factor`` is None or a finite number > 0.
+
+    Raises:
+      ValueError: naming ``factor``.
+    """
+    if factor is not None and not (math.isfinite(factor) and factor > 0):
+        raise ValueError(f"expert_capacity_factor must be None or > 0, got {factor!r}")
+
+
+def check_overflow(overflow: str) -> None:
+    """Raise unless ``overflow`` is one of ``OVERFLOWS``.
+
+    Raises:
+      ValueError: naming ``overflow``.
+    """
+    if overflow not in OVERFLOWS:
+        raise ValueError(f"expert_capacity_overflow must be one of {OVERFLOWS}, got "
+                         f"{overflow!r}")
+
+
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _nontrivial(spec: P, mesh) -> P:
+    """``spec`` without mesh axes of size 1 (same layout; no size-1 collectives)."""
+    sizes = dict(mesh.shape)
+
+    def keep(entry):
+        axes = tuple(a for a in _axes(entry) if sizes[a] > 1)
+        return axes[0] if len(axes) == 1 else axes or None
+
+    return P(*(keep(e) for e in spec))
+
+
+#: Default bound on the rows of one all-to-all round's receive buffer (128 MiB of bf16
+#: rows at H = 2048); see ``tokens_per_dispatch``.
+MAX_DISPATCH_ROWS = 2**15
+
+
+def tokens_per_dispatch(tokens: int, devices: int, top_k: int, local_experts: int,
+                        max_rows: int, capacity_factor: float | None = None) -> int:
+    """Tokens per all-to-all round: the largest divisor ``t`` of ``tokens`` whose receive
+    buffer (``models.moe.ragged.receive_rows``: ``devices * capacity(t, top_k,
+    local_experts)`` without a capacity factor) stays within ``max_rows`` rows (at least
+    1 token)."""
+    for t in range(tokens, 0, -1):
+        if tokens % t == 0 and (t == 1 or receive_rows(
+                t, devices, top_k, local_experts, capacity_factor) <= max_rows):
+            return t
+    return 1
+
+
+def _shard_body(x, experts, weights, token_mask, gate, up, down, *, expert_axis, num,
+                gather_axes, sum_axes, max_rows, ragged, native, capacity_factor, overflow):
+    """Per-device expert-parallel MoE: the token rounds (``lax.map``) of
+    ``models.moe.dense.dense_round``, or of ``models.moe.ragged.ragged_round`` when
+    ``ragged``; ``(y, dropped)``."""
+    if gather_axes:  # this device's experts only, whole on their hidden dimension
+        gate, up = (jax.lax.all_gather(w, gather_axes, axis=1, tiled=True) for w in (gate, up))
+        down = jax.lax.all_gather(down, gather_axes, axis=2, tiled=True)
+    tokens, top_k = experts.shape
+    factor = capacity_factor if ragged else None
+    step = tokens_per_dispatch(tokens, num, top_k, gate.shape[0], max_rows, factor)
+    kw = {"expert_axis": expert_axis, "num": num, "partial": bool(sum_axes)}
+    if ragged:
+        kw.update(capacity_factor=capacity_factor, overflow=overflow, native=native)
+
+    @jax.checkpoint  # the backward recomputes one round at a time, never all at once
+    def one(args):
+        return (ragged_round if ragged else dense_round)(*args, gate, up, down, **kw)
+
+    args = (x, experts, weights, token_mask)
+    if step == tokens:
+        y, dropped = one(args)
+    else:
+        rounds = tokens // step
+        split = (a.reshape(rounds, step, *a.shape[1:]) for a in args)
+        y, dropped = jax.lax.map(one, tuple(split))
+        y, dropped = y.reshape(tokens, -1), dropped.reshape(tokens, top_k)
+    if sum_axes:
+        y = jax.lax.psum(y, sum_axes)
+    return y.astype(x.dtype), dropped
+
+
+def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array,
+                   up: jax.Array, down: jax.Array, *, mesh, rules=DEFAULT_RULES,
+                   max_rows: int = MAX_DISPATCH_ROWS, dispatch: str = "auto",
+                   capacity_factor: float | None = None, overflow: str = "drop",
+                   token_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """``models.moe.reference.dropless_experts`` with the experts spread over ``mesh``:
+    dropless, except that with the ragged dispatch and a ``capacity_factor`` the real pairs
+    past the capacity are dropped (``models.moe.ragged``).
+
+    Args:
+      x: ``[T, H]`` compute dtype, all tokens of the step (split over ``BATCH_AXES``).
+      experts: int32 ``[T, k]``; weights: float32 ``[T, k]`` (the router's choice).
+      gate, up: ``[E, H, I]``; down: ``[E, I, H]``; laid out by ``rules``.
+      mesh: a ``Mesh`` or ``AbstractMesh`` with the ``models.mesh`` axes.
+      rules: the logical -> mesh axis rules the weights are placed by
+        (``ModelConfig.sharding_rules``; default ``models.sharding.DEFAULT_RULES``:
+        experts over ``expert``).
+      max_rows: receive-buffer rows per all-to-all round (``tokens_per_dispatch``): the
+        device's tokens go in as few equal rounds as keep within it.
+      dispatch: ``"dense"`` (the worst-case blocks of ``models.moe.dense``), ``"ragged"``
+        (``models.moe.ragged``: ``jax.lax.ragged_all_to_all`` on TPU / GPU, its
+        emulation elsewhere), or ``"auto"`` (ragged where the mesh's platform has it,
+        else dense; ``REGISTRY``).
+      capacity_factor: ragged only: None (receive buffers for the worst case: dropless)
+        or ``f > 0`` (``f`` times the balanced load per device; real pairs past it are
+        dropped by GShard's priority, see ``models.moe.ragged``).
+      overflow: ragged with a capacity factor only: ``"drop"`` (a dropped pair adds 0,
+        its token keeps its other experts) or ``"nan"`` (strict: a token with a dropped
+        pair gets NaN rows).
+      token_mask: bool ``[T]`` (split like ``x``): the real tokens; the others (padding)
+        are routed nowhere (not sent, not computed, not counted against the capacity)
+        and their output is 0. None: every token is real.
+
+    Returns:
+      ``(y, dropped)``: ``y [T, H]`` in the dtype of ``x``, split like ``x``; bool
+      ``dropped [T, k]``, the real (token, expert) pairs dropped for capacity (all false
+      without a capacity factor, and on the dense path). Under differentiation the
+      per-device body is rematerialised (``jax.checkpoint``): only its inputs are kept
+      for the backward pass, which repeats the dispatch, so the worst-case buffers never
+      outlive the layer (otherwise every layer would keep them until its backward).
+
+    Raises:
+      ValueError: ``T`` not divisible by the token shards, or E (or H, I) not divisible by
+        its mesh axes (both numbers named); an unknown ``dispatch`` or ``overflow``, or a
+        ``capacity_factor`` <= 0 (named).
+    """
+    platform = target_platform(mesh)
+    ragged = REGISTRY.resolve(dispatch, platform=platform)[0] == "ragged"
+    check_capacity_factor(capacity_factor)
+    check_overflow(overflow)
+    token_axes = present(mesh, BATCH_AXES)
+    check_divisible(x.shape[0], mesh, token_axes, "MoE input (batch x sequence)")
+    gate_spec = _nontrivial(logical_to_mesh(
+        ("expert", "embed", "mlp"), mesh, rules, gate.shape, "MoE gate_proj"), mesh)
+    down_spec = _nontrivial(logical_to_mesh(
+        ("expert", "mlp", "embed"), mesh, rules, down.shape, "MoE down_proj"), mesh)
+    expert_axes = _axes(gate_spec[0])
+    if token_mask is None:
+        token_mask = jnp.ones(x.shape[:1], bool)
+
+    def body(*args):
+        return _shard_body(
+            *args, expert_axis=expert_axes, num=axis_size(mesh, expert_axes),
+            gather_axes=_axes(gate_spec[1]), sum_axes=_axes(gate_spec[2]),
+            max_rows=max_rows, ragged=ragged,
+            native=platform in NATIVE, capacity_factor=capacity_factor,
+            overflow=overflow,
+        )
+
+    tok = P(token_axes or None)
+    run = jax.shard_map(
+        jax.checkpoint(body), mesh=mesh,
+        in_specs=(tok, tok, tok, tok, gate_spec, gate_spec, down_spec), out_specs=(tok, tok),
+    )
+    return run(x, experts, weights, token_mask, gate, up, down)
