@@ -2,14 +2,15 @@
 
 Nothing is allocated: the step is lowered on abstract shapes (``jax.ShapeDtypeStruct``)
 for a mesh of fake CPU devices and compiled; ``Compiled.memory_analysis()`` then gives the
-per-device sizes of XLA's buffer assignment. The step is GRPO-shaped: decoder forward
-(expert-parallel MoE), sharded jaxhead head on the kept tokens,
-``-mean(adv * logp) + aux`` loss, backward, ``optax.adam`` update (float32 ``m`` and
-``v`` like the float32 parameters), with the parameters and optimizer state donated. CPU buffer assignment approximates what a
-TPU or GPU compile would do (same program, different fusion and scheduling).
+per-device sizes of XLA's buffer assignment. The step is the trainer's GRPO step
+(``train.steps.grpo_step``, ``harness.memory.measure``): decoder forward (expert-parallel
+MoE), the head per token shard on the kept tokens, the GRPO loss, backward, an
+``optax.adam`` update (float32 ``m`` and ``v``), parameters and optimizer state donated.
+CPU buffer assignment approximates what a TPU or GPU compile would do (same program,
+different fusion and scheduling).
 
     python benchmarks/memory.py                                  # Qwen3-30B-A3B, 64 devices
-    python benchmarks/memory.py --mesh fsdp=4,expert=8,tensor=2 --vocab-axis tensor
+    python benchmarks/memory.py --mesh fsdp=4,expert=8,tensor=2
     python benchmarks/memory.py --mesh fsdp=2,expert=4 --seq 512 --layers 2   # quick
     python benchmarks/memory.py --topology v6e:8x8 --layers 2   # the TPU compiler's numbers
 
@@ -76,8 +77,6 @@ def main(argv=None) -> None:
                         help="recompute each decoder layer in the backward pass")
     parser.add_argument("--no-scan", action="store_true",
                         help="unroll the layers even if the preset scans them")
-    parser.add_argument("--vocab-axis", default=None,
-                        help="mesh axis of a vocab-parallel head (e.g. tensor)")
     parser.add_argument("--topology", default=None,
                         help="compile for this TPU slice with the TPU compiler (needs "
                         "libtpu), e.g. v6e:8x8")
@@ -101,7 +100,7 @@ def main(argv=None) -> None:
     for mesh in meshes:
         for dispatch in dispatches:
             row = measure(args.preset, mesh, batch=args.batch, seq=args.seq, keep=args.keep,
-                          layers=args.layers, vocab_axis=args.vocab_axis, remat=args.remat,
+                          layers=args.layers, remat=args.remat,
                           topology=args.topology, scan=not args.no_scan, dispatch=dispatch,
                           capacity_factor=args.capacity_factor)
             print("| {preset} | {mesh} | {devices} | {tokens} | {params:.3g} | {adam:.3g} | "

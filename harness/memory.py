@@ -4,10 +4,12 @@
 Nothing is allocated: the step is lowered on abstract shapes (``jax.ShapeDtypeStruct``)
 for a mesh of fake CPU devices, or of a TPU slice's devices (``topology``: the real TPU
 compiler, needs ``libtpu``), and compiled; ``Compiled.memory_analysis()`` then gives the
-per-device sizes of XLA's buffer assignment. The step is GRPO-shaped: decoder forward
-(expert-parallel MoE), sharded jaxhead head on the kept tokens,
-``-mean(adv * logp) + aux`` loss, backward, ``optax.adam`` update (float32 ``m`` and
-``v`` like the float32 parameters), with the parameters and optimizer state donated.
+per-device sizes of XLA's buffer assignment. The step is the trainer's own
+(``train.steps.grpo_step`` under a ``train.placement.Placement``): decoder forward
+(expert-parallel MoE), the head per token shard on the kept tokens (with entropy), the
+clipped GRPO loss plus the load-balancing loss, backward, an ``optax.adam`` update
+(float32 ``m`` and ``v`` like the float32 parameters), parameters and optimizer state
+donated.
 """
 
 from __future__ import annotations
@@ -21,36 +23,47 @@ import time
 GIB = 2**30
 
 
-def _shard_bytes(abstract, shardings) -> int:
-    """Bytes one device holds of the arrays ``abstract`` laid out by ``shardings``."""
+def _shard_bytes(abstract) -> int:
+    """Bytes one device holds of the arrays ``abstract`` (``ShapeDtypeStruct`` s with
+    their shardings)."""
     import jax
 
-    return sum(
-        math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
-        for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings), strict=True)
-    )
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+               for a in jax.tree.leaves(abstract))
 
 
 def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, keep: float,
-            layers: int, vocab_axis: str | None = None, remat: bool = False,
-            topology: str | None = None, scan: bool = True, dispatch: str = "dense",
-            capacity_factor: float | None = None) -> dict:
-    """Compile the train step for ``mesh_sizes`` on abstract shapes; per-device GiB and
-    the lower + compile seconds. ``topology``: a TPU slice name (``"v6e:8x8"``) to compile
-    for with the TPU compiler (the mesh's devices are its first ones); None: the host's
-    (fake) CPU devices. ``scan=False`` turns the preset's ``scan_layers`` off.
-    ``dispatch``, ``capacity_factor``: ``ModelConfig.expert_dispatch`` /
-    ``expert_capacity_factor``."""
+            layers: int, remat: bool = False, topology: str | None = None, scan: bool = True,
+            dispatch: str = "dense", capacity_factor: float | None = None) -> dict:
+    """Compile the trainer's GRPO step (``train.steps.grpo_step``: its loss, its head on the
+    kept tokens, its placement) for ``mesh_sizes`` on abstract shapes; per-device GiB and
+    the lower + compile seconds.
+
+    Args:
+      preset: a ``models.get_config`` name; bf16 compute, float32 parameters.
+      mesh_sizes: ``models.mesh`` axis sizes (their product: the devices used).
+      batch: global sequences (0: one per batch shard); seq: tokens per sequence.
+      keep: the fraction of tokens a loss reads (each token shard's bucket).
+      layers: overrides ``num_hidden_layers`` (0: the preset's).
+      remat: recompute each decoder layer in the backward.
+      topology: a TPU slice name (``"v6e:8x8"``) to compile for with the TPU compiler
+        (the mesh's devices are its first ones); None: the host's (fake) CPU devices.
+      scan: False turns the preset's ``scan_layers`` off.
+      dispatch, capacity_factor: ``ModelConfig.expert_dispatch`` /
+        ``expert_capacity_factor``.
+
+    Returns:
+      a dict of the table's columns (``benchmarks/memory.py``): sizes in GiB per device.
+    """
     import jax
     import jax.numpy as jnp
     import optax
-    from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     import jaxhead
-    from models import Transformer, get_config, jit_sharded, state_shardings
-    from models.mesh import BATCH_AXES, axis_size, batch_sharding, make_mesh, present
+    from models import get_config
+    from models.mesh import make_mesh
+    from train import rl_loss, state, steps
+    from train.placement import Placement
 
     cfg = get_config(preset, dtype="bfloat16", param_dtype="float32", remat=remat)
     cfg = cfg.replace(scan_layers=cfg.scan_layers and scan, expert_dispatch=dispatch,
@@ -59,75 +72,58 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
         cfg = cfg.replace(num_hidden_layers=layers)
     devices = jax.devices() if topology is None else _topology_devices(topology)
     mesh = make_mesh(mesh_sizes, devices=devices[: math.prod(mesh_sizes.values())])
-    shards = axis_size(mesh, BATCH_AXES)
+    mdef = state.ModelDef.of(cfg)
+    placement = Placement(mesh, mdef)
+    shards = placement.batch_shards
     batch = batch or shards
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-    p_shard = state_shardings(params, mesh)
     tx = optax.adam(1e-6, b1=0.9, b2=0.999, eps=1e-8, mu_dtype=jnp.float32)
-    opt = jax.eval_shape(tx.init, params)
-    # each moment placed like its parameter (optax builds them by mapping over the
-    # parameters), the step counter replicated
-    o_shard = optax.tree_utils.tree_map_params(
-        tx, lambda _, s: s, opt, p_shard, transform_non_params=lambda _: NamedSharding(mesh, P()))
+    loss_cfg = rl_loss.LossConfig()
+    abstract = placement.abstract_state(tx)
+    params, opt = abstract["params"], abstract["opt_state"]
     per_shard = batch * seq // shards
     bucket = jaxhead.bucket_size(math.ceil(keep * per_shard), per_shard)
-    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    data = {"tokens": tokens, "positions": tokens, "segment_ids": tokens, "labels": tokens,
-            "keep": jax.ShapeDtypeStruct((batch, seq), jnp.bool_),
-            "advantages": jax.ShapeDtypeStruct((batch, seq), jnp.float32)}
 
-    def loss_fn(params, data, sharded=True, bucket=bucket):
-        model = nnx.merge(graphdef, params)
-        out = model(data["tokens"], data["positions"], data["segment_ids"])
-        if sharded:
-            head = model.lm_head.sharded(out.hidden, data["labels"], data["keep"],
-                                         token_axes=present(mesh, BATCH_AXES),
-                                         bucket=bucket, vocab_axis=vocab_axis)
-        else:  # one device's share: its tokens through the plain head
-            head = model.lm_head(out.hidden, data["labels"], data["keep"], bucket=bucket)
-        count = jnp.maximum(jnp.sum(data["keep"]), 1)
-        return (-jnp.sum(data["advantages"] * head.logprobs) / count
-                + cfg.router_aux_loss_coef * out.aux_loss)
+    def batch_of(rows, tokens, sharding=None):
+        def arr(dtype):
+            return jax.ShapeDtypeStruct((rows, tokens), dtype, sharding=sharding)
+        return {"tokens": arr(jnp.int32), "positions": arr(jnp.int32),
+                "segment_ids": arr(jnp.int32), "labels": arr(jnp.int32),
+                "loss_mask": arr(jnp.float32), "seq_index": arr(jnp.int32),
+                "old_logp": arr(jnp.float32), "advantages": arr(jnp.float32)}
 
-    def step(params, opt_state, data):
-        loss, grads = jax.value_and_grad(loss_fn)(params, data)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    b_shard = batch_sharding(mesh)
-    run = jit_sharded(step, mesh, in_shardings=(p_shard, o_shard, b_shard),
-                      out_shardings=(p_shard, o_shard, None), donate_argnums=(0, 1))
+    run = steps.grpo_step(mdef, tx, loss_cfg, placement, temperature=1.0)
     with tempfile.TemporaryDirectory() as dump:  # the buffer assignment, as text
         start = time.perf_counter()
-        lowered = run.lower(params, opt, data)
+        lowered = run.lower(params, opt, batch_of(batch, seq, placement.batch), None, batch,
+                            bucket)
         compiled = lowered.compile(
             {"xla_dump_to": dump, "xla_dump_hlo_as_text": True,
              "xla_dump_hlo_module_re": "step"})
         seconds = time.perf_counter() - start
         largest = largest_temporaries(_buffer_assignment(dump))
     mem = compiled.memory_analysis()
-    # activations are split over the batch axes: one device's rows, traced unsharded, at
-    # the step's tokens and at half of them; what grows with the tokens is activations,
-    # the rest compute-dtype weight copies (at full, unsharded size)
+    # activations are split over the batch axes: one device's rows, traced unsharded (the
+    # plain head), at the step's tokens and at half of them; what grows with the tokens is
+    # activations, the rest compute-dtype weight copies (at full, unsharded size)
     rows = max(batch // shards, 1)
+    loss_fn = steps.grpo_loss_fn(mdef, loss_cfg, 1.0, skip=True)
+    local_params = mdef.abstract_params()
 
     def saved_at(tokens):
-        local = {k: jax.ShapeDtypeStruct((rows, tokens), v.dtype) for k, v in data.items()}
         b = jaxhead.bucket_size(math.ceil(keep * rows * tokens), rows * tokens)
-        return saved_activation_bytes(
-            lambda p, d: loss_fn(p, d, sharded=False, bucket=b), params, local)
+        return saved_activation_bytes(lambda p, d: loss_fn(p, d, None, rows, b)[0],
+                                      local_params, batch_of(rows, tokens))
 
     saved, top_saved = saved_at(seq)
     activations = 2 * (saved - saved_at(seq // 2)[0])  # linear in the tokens
-    param_bytes = _shard_bytes(params, p_shard)  # exact: the shards' sizes
-    adam_bytes = _shard_bytes(opt, o_shard)
+    param_bytes = _shard_bytes(params)  # exact: the shards' sizes
+    adam_bytes = _shard_bytes(opt)
     peak = (mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
             - mem.alias_size_in_bytes)
     return {
         "preset": preset + (f" ({layers} layers)" if layers else "")
         + (", remat" if remat else "") + (", scan" if cfg.scan_layers else ""),
-        "mesh": (" x ".join(f"{k}={v}" for k, v in mesh_sizes.items() if v > 1) or "1")
-        + (f", vocab over {vocab_axis}" if vocab_axis else ""),
+        "mesh": " x ".join(f"{k}={v}" for k, v in mesh_sizes.items() if v > 1) or "1",
         "devices": math.prod(mesh_sizes.values()), "tokens": per_shard,
         "target": "CPU (approximation)" if topology is None else f"TPU compiler ({topology})",
         "dispatch": dispatch + (f", factor {capacity_factor:g}" if capacity_factor

@@ -13,10 +13,10 @@ import jaxhead
 from harness.oracle import max_abs
 from models import get_config, jit_sharded, state_shardings
 from models.mesh import batch_sharding, make_mesh
-from tests.models.padding_cases import LOSS, packed_batch, pad
+from tests.models.padding_cases import packed_batch, pad, step_outputs
 from tests.support.models import random_model
-from train import state, steps
-from train.placement import Placement, place_batch
+from train import state
+from train.placement import Placement
 
 #: 8 query heads on 2 KV heads: tensor=4 and tensor=8 are both wider than the KV heads.
 HEADS = {"num_attention_heads": 8, "num_key_value_heads": 2}
@@ -29,28 +29,6 @@ def _policy(preset: str):
     """``(ModelDef, host params)`` of the random float32 ``preset`` with ``HEADS``."""
     model = random_model(get_config(preset, dtype="float32", **HEADS), seed=3)
     return state.ModelDef.of(model.cfg), jax.device_get(state.params_of(model))
-
-
-def step_outputs(mdef, params, arrays, num_seqs, bucket, placement=None) -> dict:
-    """Loss, gradients and the ``[R, L]`` log-probs and entropy of the trainer's GRPO step
-    (``train.steps.grpo_loss_fn``) on ``arrays``: plain ``jax.jit`` on one device, or
-    compiled by ``placement`` on its mesh with the parameters in its shardings."""
-    loss_fn = steps.grpo_loss_fn(mdef, LOSS, 1.0, skip=True)
-
-    def run(params, b):
-        (loss, (_, logp)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, b, b["ref_logp"], num_seqs, bucket)
-        head, _ = mdef.merge(params).token_logprobs(
-            b["tokens"], b["positions"], b["segment_ids"], b["labels"], b["loss_mask"] > 0,
-            bucket=bucket)
-        return {"loss": loss, "grads": grads, "logp": logp, "entropy": head.entropy}
-
-    if placement is None:
-        out = jax.jit(run)(jax.tree.map(jnp.asarray, params), place_batch(arrays))
-    else:
-        out = placement.jit(run)(placement.place_params(params),
-                                 place_batch(arrays, placement.mesh))
-    return jax.device_get(out)
 
 
 def relative(a, b) -> float:

@@ -62,9 +62,10 @@ def variants(arrays: dict) -> dict:
 
 
 def step_outputs(mdef, params, arrays, num_seqs, bucket, placement=None) -> dict:
-    """Loss, gradients, the MoE's dropped fraction (a metric of the step) and the
-    ``[R, L]`` log-probs and entropy of the GRPO step (``train.steps.grpo_loss_fn``, the
-    trainer's own loss; an MoE model) on ``arrays``."""
+    """Loss, gradients, the ``[R, L]`` log-probs and entropy and, for an MoE model, the
+    dropped fraction (``"dropped"``, a metric of the step) of the trainer's GRPO step
+    (``train.steps.grpo_loss_fn``) on ``arrays``: plain ``jax.jit`` on one device, or
+    compiled by ``placement`` on its mesh with the parameters in its shardings."""
     loss_fn = steps.grpo_loss_fn(mdef, LOSS, 1.0, skip=True)
 
     def run(params, b):
@@ -73,8 +74,10 @@ def step_outputs(mdef, params, arrays, num_seqs, bucket, placement=None) -> dict
         keep = b["loss_mask"] > 0
         head, _ = mdef.merge(params).token_logprobs(
             b["tokens"], b["positions"], b["segment_ids"], b["labels"], keep, bucket=bucket)
-        return {"loss": loss, "grads": grads, "logp": logp, "entropy": head.entropy,
-                "dropped": metrics["moe_dropped_fraction"]}
+        out = {"loss": loss, "grads": grads, "logp": logp, "entropy": head.entropy}
+        if "moe_dropped_fraction" in metrics:
+            out["dropped"] = metrics["moe_dropped_fraction"]
+        return out
 
     if placement is None:
         out = jax.jit(run)(jax.tree.map(jnp.asarray, params), place_batch(arrays))
