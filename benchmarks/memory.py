@@ -29,7 +29,8 @@ is its dense emulation ("ragged (emulated)"), so only TPU-compiler rows compare 
     python benchmarks/memory.py --topology v6e:8x8 --layers 2 --capacity-factor 2
 
 Prints one markdown table row per mesh and dispatch, with the seconds spent lowering and
-compiling, and a breakdown of each step's memory: parameters and Adam moments (the shards'
+compiling; a step the TPU compiler cannot fit in HBM is a row too (``fits``: the temporaries
+it needs and the HBM available, from its ``CompileTimeHbmOom`` error; no peak), and a breakdown of each step's memory: parameters and Adam moments (the shards'
 exact sizes), what the forward saves for the backward (the residuals of the loss traced
 unsharded at one device's tokens, ``saved_residuals``, besides the arguments; traced again
 at half the tokens, what grows is activations, per device; the rest compute-dtype copies
@@ -93,8 +94,9 @@ def main(argv=None) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     print("| preset | mesh | devices | tokens/device | params GiB | Adam m+v GiB | "
-          "temporaries GiB | peak GiB | compile s | compiled for | dispatch | Mosaic kernels |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "temporaries GiB | peak GiB | fits | compile s | compiled for | dispatch | "
+          "Mosaic kernels |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     dispatches = ("dense", "ragged") if args.dispatch == "both" else (args.dispatch,)
     rows = []
     for mesh in meshes:
@@ -103,16 +105,17 @@ def main(argv=None) -> None:
                           layers=args.layers, remat=args.remat,
                           topology=args.topology, scan=not args.no_scan, dispatch=dispatch,
                           capacity_factor=args.capacity_factor)
+            peak = "-" if row["peak"] is None else f"{row['peak']:.3g}"
             print("| {preset} | {mesh} | {devices} | {tokens} | {params:.3g} | {adam:.3g} | "
-                  "{temp:.3g} | {peak:.3g} | {compile:.0f} | {target} | {dispatch} | {kernels} |"
-                  .format(**row), flush=True)
+                  "{temp:.3g} | {p} | {fits} | {compile:.0f} | {target} | {dispatch} | "
+                  "{kernels} |".format(**row, p=peak), flush=True)
             rows.append(row)
     print("\n| preset | dispatch | saved activations GiB | saved weight copies GiB "
           "(unsharded) | largest saved | "
           "largest temporaries of the compiled step (per device) |\n|---|---|---|---|---|---|")
     for row in rows:
         print("| {preset} | {dispatch} | {saved:.3g} | {weight_copies:.3g} | {s} | {a} |".format(
-            **row, s="; ".join(row["largest_saved"]), a="; ".join(row["largest"])))
+            **row, s="; ".join(row["largest_saved"]), a="; ".join(row["largest"]) or "-"))
 
 
 if __name__ == "__main__":

@@ -96,12 +96,17 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
         start = time.perf_counter()
         lowered = run.lower(params, opt, batch_of(batch, seq, placement.batch), None, batch,
                             bucket)
-        compiled = lowered.compile(
-            {"xla_dump_to": dump, "xla_dump_hlo_as_text": True,
-             "xla_dump_hlo_module_re": "step"})
+        try:
+            compiled = lowered.compile(
+                {"xla_dump_to": dump, "xla_dump_hlo_as_text": True,
+                 "xla_dump_hlo_module_re": "step"})
+        except Exception as err:  # only the compiler's out-of-memory becomes a row
+            oom = out_of_memory(str(err))
+            if oom is None:
+                raise
+            compiled = None
         seconds = time.perf_counter() - start
-        largest = largest_temporaries(_buffer_assignment(dump))
-    mem = compiled.memory_analysis()
+        largest = [] if compiled is None else largest_temporaries(_buffer_assignment(dump))
     # activations are split over the batch axes: one device's rows, traced unsharded (the
     # plain head), at the step's tokens and at half of them; what grows with the tokens is
     # activations, the rest compute-dtype weight copies (at full, unsharded size)
@@ -118,8 +123,14 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     activations = 2 * (saved - saved_at(seq // 2)[0])  # linear in the tokens
     param_bytes = _shard_bytes(params)  # exact: the shards' sizes
     adam_bytes = _shard_bytes(opt)
-    peak = (mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
-            - mem.alias_size_in_bytes)
+    if compiled is None:
+        temp, peak, fits = oom[0] * GIB, None, f"no: needs {oom[0]:.3g} GiB of temporaries, "
+        fits += f"{oom[1]:.4g} available"
+    else:
+        mem = compiled.memory_analysis()
+        temp, fits = mem.temp_size_in_bytes, "yes"
+        peak = (mem.argument_size_in_bytes + mem.temp_size_in_bytes
+                + mem.output_size_in_bytes - mem.alias_size_in_bytes)
     return {
         "preset": preset + (f" ({layers} layers)" if layers else "")
         + (", remat" if remat else "") + (", scan" if cfg.scan_layers else ""),
@@ -130,7 +141,8 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
                                 and dispatch == "ragged" else "")
         + (" (emulated)" if dispatch == "ragged" and topology is None else ""),
         "params": param_bytes / GIB, "adam": adam_bytes / GIB,
-        "temp": mem.temp_size_in_bytes / GIB, "peak": peak / GIB, "compile": seconds,
+        "temp": temp / GIB, "peak": None if peak is None else peak / GIB, "fits": fits,
+        "compile": seconds,
         "saved": activations / GIB, "weight_copies": (saved - activations) / GIB,
         "largest_saved": top_saved,
         "largest": largest,
@@ -138,6 +150,21 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
         # forward / dq / dkv; one of each however many layers the scan runs)
         "kernels": lowered.as_text().count("tpu_custom_call"),
     }
+
+
+_HBM_OOM = re.compile(r"temporaries \(([\d.]+)([KMGT])\) exceeds available HBM "
+                      r"\(([\d.]+)([KMGT])\)")
+
+
+def out_of_memory(message: str) -> tuple[float, float] | None:
+    """``(needed, available)`` GiB of the TPU compiler's ``CompileTimeHbmOom`` error
+    (``"... the total memory required for HLO temporaries (19.90G) exceeds available HBM
+    (15.75G)"``; XLA's ``G`` is GiB), None for any other error."""
+    m = _HBM_OOM.search(message)
+    if m is None:
+        return None
+    scale = {"K": 2**-20, "M": 2**-10, "G": 1.0, "T": 2**10}
+    return float(m.group(1)) * scale[m.group(2)], float(m.group(3)) * scale[m.group(4)]
 
 
 def saved_activation_bytes(loss_fn, params, data) -> tuple[int, list[str]]:

@@ -24,7 +24,8 @@ def test_memory_benchmark_tiny():
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
     assert cells[1:4] == ["fsdp=2 x expert=2", "4", "32"]
     params, adam, temp, peak = map(float, cells[4:8])
-    assert float(cells[8]) > 0 and cells[9:11] == ["CPU (approximation)", "ragged (emulated)"]
+    assert cells[8] == "yes" and float(cells[9]) > 0
+    assert cells[10:12] == ["CPU (approximation)", "ragged (emulated)"]
     assert abs(adam - 2 * params) <= 1e-2 * adam and 0 < temp and peak >= params + adam
     rows = [line for line in breakdown.splitlines() if line.startswith("| tiny-moe")]
     assert len(rows) == 1, proc.stdout
@@ -56,3 +57,17 @@ def test_largest_temporaries_reads_only_device_memory_temps():
     ]
     assert largest_temporaries("\n".join(lines)) == ["0.000488 MiB f32[128] (plain)",
                                          "0.000244 MiB f32[64] (hbm)"]
+
+
+def test_out_of_memory_reads_the_tpu_compilers_figures():
+    """A step that does not fit is a row: the figures of the TPU compiler's
+    ``CompileTimeHbmOom`` (its message as libtpu 0.0.52 words it; ``G`` is GiB), and any
+    other error is not taken for one."""
+    from harness.memory import out_of_memory
+
+    message = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the "
+               "total memory required for HLO temporaries (19.90G) exceeds available HBM "
+               "(15.75G). HLO module: jit_step.")
+    assert out_of_memory(message) == (19.9, 15.75)
+    assert out_of_memory(message.replace("19.90G", "900.5M")) == (900.5 / 1024, 15.75)
+    assert out_of_memory("INVALID_ARGUMENT: shapes do not match") is None
