@@ -1,17 +1,20 @@
 """The device mesh of the models: axis names, sizes from a config, batch axes.
 
-Axes, always all four and in this order (size-1 axes cost nothing)::
+Axes, always all five and in this order (size-1 axes cost nothing)::
 
     data    pure data parallelism: the batch is split, every parameter replicated
     fsdp    the batch is split and parameters are sharded on their "embed" dimension
             (ZeRO-3: XLA all-gathers a layer's weights where they are used)
     expert  the batch is split outside the MoE blocks; inside, each device owns
             E / expert experts and tokens travel to them by all-to-all (GShard)
+    context context parallelism: each sequence's tokens are split (``models.context``):
+            attention gathers the keys and values of the whole sequence per layer,
+            everything else is per token; parameters are replicated over it
     tensor  Megatron-style tensor parallelism: attention heads, MLP width and the
             vocabulary are split; the batch is replicated
 
-The batch (and the head's tokens) is split over ``BATCH_AXES = ("data", "fsdp",
-"expert")``. Parameter placement rules live in ``models.sharding``.
+The batch's rows are split over ``BATCH_AXES = ("data", "fsdp", "expert")``, its tokens
+within a row over ``CONTEXT_AXIS``. Parameter placement rules live in ``models.sharding``.
 
 Axis types: every axis is ``AxisType.Auto`` (``jax.make_mesh`` defaults to Explicit in
 recent JAX). The model code carries no sharding annotations; under ``jax.jit`` with
@@ -35,8 +38,9 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-AXES = ("data", "fsdp", "expert", "tensor")
+AXES = ("data", "fsdp", "expert", "context", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")
+CONTEXT_AXIS = "context"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +55,7 @@ class MeshConfig:
     data: int = -1
     fsdp: int = 1
     expert: int = 1
+    context: int = 1
     tensor: int = 1
 
     @classmethod
@@ -103,7 +108,8 @@ class MeshConfig:
 
 
 def make_mesh(config=None, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The ``("data", "fsdp", "expert", "tensor")`` mesh over all global devices.
+    """The ``("data", "fsdp", "expert", "context", "tensor")`` mesh over all global
+    devices.
 
     Args:
       config: a ``MeshConfig``, a mapping / config object with some of its fields, or None

@@ -10,11 +10,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxhead
+from models import context
 from models.attention.layer import Attention
 from models.cache import KVCache, check_room, init_cache, layer_view, write_tokens
 from models.config import ModelConfig
 from models.layers import MLP, RMSNorm, embedding
-from models.mesh import BATCH_AXES, active_mesh, present
+from models.mesh import active_mesh
 from models.moe.layer import MoE, RouterStats, dropped_fraction, load_balancing_loss
 from models.scan import REMAT_POLICIES, layer_at, scan_layers, stack_modules
 
@@ -145,6 +146,8 @@ class Transformer(nnx.Module):
             overflow = check_room(cache, tokens.shape[1])
             cache = write_tokens(cache, positions, segment_ids)
         x = self.embed_tokens(tokens).astype(self.cfg.dtype)  # gathered in param_dtype
+        if cache is None:  # a row's tokens split over context, if the mesh has one
+            x = context.constrain_tokens(x, active_mesh())
         if cache is None and self.cfg.scan_layers:
             x, stats = self._scan(x, positions, segment_ids)
         else:
@@ -219,6 +222,11 @@ class Transformer(nnx.Module):
         """Decoder forward, then the jaxhead head on the kept tokens: the one function
         through which the trainer reads every log-prob of the model.
 
+        Under a mesh with a ``context`` axis of ``C > 1`` devices, each row's tokens are
+        reordered for causal load balance before the decoder and the head's outputs put
+        back in token order (``models.context``): the results are those of one device.
+        ``S`` must then be a multiple of ``2 C``.
+
         On one device (no mesh set, or a one-device mesh) the head is ``self.lm_head``
         (``jaxhead.token_logprobs``). Traced under a multi-device mesh (``jax.set_mesh``,
         e.g. ``models.jit_sharded``) it is ``self.lm_head.sharded``: the tokens split over
@@ -235,8 +243,9 @@ class Transformer(nnx.Module):
           min_logit: None, or float32 ``[B, S]``: per position, the truncated sampling
             support each label was drawn from (``jaxhead.token_logprobs``'s
             ``min_logit``; ``-inf``: untruncated).
-          token_axes: mesh axes the batch is split over under a mesh (default: the
-            mesh's ``models.mesh.BATCH_AXES``); ignored on one device.
+          token_axes: mesh axes the head's rows are split over under a mesh (default:
+            ``models.context.token_axes``: the batch axes, with context parallelism
+            ``context`` first, the head's rows then token-major); ignored on one device.
 
         Returns:
           ``(HeadOutput(logprobs, entropy) float32 [B, S], DecoderOutput)``: log-probs
@@ -246,13 +255,30 @@ class Transformer(nnx.Module):
         Raises:
           ValueError / TypeError: as ``jaxhead.token_logprobs`` and ``__call__``.
         """
-        out = self(tokens, positions, segment_ids)
-        kw = {"temperature": temperature, "with_entropy": with_entropy, "bucket": bucket,
-              "min_logit": min_logit}
         mesh = active_mesh()
         if mesh is None:
-            head = self.lm_head(out.hidden, labels, keep, **kw)
-        else:
-            axes = present(mesh, BATCH_AXES) if token_axes is None else tuple(token_axes)
-            head = self.lm_head.sharded(out.hidden, labels, keep, token_axes=axes, **kw)
+            out = self(tokens, positions, segment_ids)
+            head = self.lm_head(out.hidden, labels, keep, temperature=temperature,
+                                with_entropy=with_entropy, bucket=bucket, min_logit=min_logit)
+            return head, out
+        # context parallelism: tokens in load-balanced order through the decoder, the head
+        # on token-major rows, its outputs back in token order (models.context)
+        c = context.context_size(mesh)
+
+        def to_head(x):
+            return None if x is None else context.to_token_major(context.balance(x, c), c)
+
+        tokens, positions, segment_ids = (
+            context.constrain_tokens(context.balance(x, c), mesh)
+            for x in (tokens, positions, segment_ids))
+        out = self(tokens, positions, segment_ids)
+        if jnp.ndim(temperature) == 2:
+            temperature = to_head(jnp.asarray(temperature))
+        axes = context.token_axes(mesh) if token_axes is None else tuple(token_axes)
+        head = self.lm_head.sharded(
+            context.to_token_major(out.hidden, c), to_head(labels), to_head(keep),
+            token_axes=axes, temperature=temperature, with_entropy=with_entropy,
+            bucket=bucket, min_logit=to_head(min_logit))
+        head = jax.tree.map(lambda x: context.unbalance(context.from_token_major(x, c), c),
+                            head)
         return head, out

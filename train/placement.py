@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxhead
 import models
+from models import context
 from models.mesh import AXES, BATCH_AXES, axis_size, batch_sharding, check_divisible, make_mesh
 from models.sharding import logical_to_mesh
 from train import state
@@ -237,10 +238,19 @@ class Placement:
     def bucket(self, packed, multiple: int, max_kept: int | None = None) -> int:
         """The head's static bucket of a ``train.packing.PackedBatch``: ``packed.bucket``
         on one device; on a mesh the rung of the fullest token shard
-        (``jaxhead.bucket_for_shards``; every process holds the same global batch, so no
-        collective is needed). Either way at most ``max_kept`` (the most tokens the batch
+        (``jaxhead.bucket_for_shards``; with context parallelism the shards of
+        ``models.context``'s token-major rows; every process holds the same global batch, so
+        no collective is needed). Either way at most ``max_kept`` (the most tokens the batch
         can keep; no shard keeps more)."""
         if not self.sharded:
             return packed.bucket(multiple, max_kept)
-        rung = jaxhead.bucket_for_shards(packed.keep, self.batch_shards, multiple=multiple)
+        rung = self.shard_bucket(packed.keep, multiple)
         return rung if max_kept is None else min(rung, max_kept)
+
+    def shard_bucket(self, keep, multiple: int = 128) -> int:
+        """``jaxhead.bucket_for_shards`` of a bool ``[B, S]`` keep mask over the head's
+        token shards on this mesh: rows over the batch axes and, with context
+        parallelism, ``models.context``'s token-major rows over ``context`` too."""
+        c = context.context_size(self.mesh)
+        keep = np.asarray(context.to_token_major(context.balance(np.asarray(keep), c), c))
+        return jaxhead.bucket_for_shards(keep, c * self.batch_shards, multiple=multiple)

@@ -26,6 +26,11 @@ logging a warning on logger ``"jaxhead"``. An explicit kernel raises
 ``jaxhead.KernelUnsupported`` instead; off its platform it runs in Pallas interpret mode
 (slow: for tests).
 
+Under a mesh with a ``context`` axis (``models.context``) the tokens of a row are split
+and reordered: ``xla_chunked`` gathers each layer's keys and values over that axis
+(``models.context.context_attention``) and the kernels, whose causal mask is by index,
+are refused (``"auto"`` falls back).
+
 Under a multi-device mesh a compiled kernel cannot be split by XLA's partitioner (Mosaic
 and Triton calls are opaque to it), so it runs inside ``jax.shard_map``: rows split over
 the batch axes present (``models.mesh.BATCH_AXES``), heads over ``tensor``; attention is
@@ -46,10 +51,12 @@ from jax.sharding import PartitionSpec as P
 from jaxhead import dispatch
 from jaxhead.dispatch import KernelUnsupported
 from models.attention.base import check_packing
+from models.attention.context import context_attention
 from models.attention.pallas_gpu import pallas_gpu_attention
 from models.attention.pallas_tpu import splash_attention
 from models.attention.reference import dense_attention
 from models.attention.xla import chunked_attention
+from models.context import context_size
 from models.mesh import BATCH_AXES
 
 #: ``ModelConfig.attention_impl`` values, in ``"auto"``'s order; a kernel's value is
@@ -90,9 +97,15 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
         return dense_attention(q, k, v, positions, segment_ids, positions, segment_ids,
                                scale=scale)
 
+    context = context_size(jax.sharding.get_abstract_mesh())
+
     def check(name: str):
         if REGISTRY[name] is None:
             return None
+        if context > 1:
+            raise KernelUnsupported(
+                f"{name} masks causally by token index; under context parallelism "
+                f"(context={context}) a row's tokens are reordered for load balance")
         kernel, platform = REGISTRY[name]
         check_packing(positions, segment_ids)
         run = functools.partial(_per_device, kernel, scale=scale,
@@ -106,6 +119,8 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
     out = REGISTRY.resolve(impl, check)[1]
     if out is not None:
         return out
+    if context > 1:
+        return context_attention(q, k, v, positions, segment_ids, scale=scale)
     return chunked_attention(q, k, v, positions, segment_ids, positions, segment_ids,
                              scale=scale)
 

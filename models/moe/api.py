@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxhead.dispatch import Entry, Registry, target_platform
+from models import context
 from models.mesh import BATCH_AXES, axis_size, check_divisible, present
 from models.moe.dense import dense_round
 from models.moe.ragged import NATIVE, ragged_round, receive_rows
@@ -157,7 +158,9 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
     past the capacity are dropped (``models.moe.ragged``).
 
     Args:
-      x: ``[T, H]`` compute dtype, all tokens of the step (split over ``BATCH_AXES``).
+      x: ``[T, H]`` compute dtype, all tokens of the step, split over
+        ``models.context.token_axes(mesh)`` (the batch axes; with context parallelism
+        also ``context``, the tokens in token-major order).
       experts: int32 ``[T, k]``; weights: float32 ``[T, k]`` (the router's choice).
       gate, up: ``[E, H, I]``; down: ``[E, I, H]``; laid out by ``rules``.
       mesh: a ``Mesh`` or ``AbstractMesh`` with the ``models.mesh`` axes.
@@ -197,7 +200,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
     ragged = REGISTRY.resolve(dispatch, platform=platform)[0] == "ragged"
     check_capacity_factor(capacity_factor)
     check_overflow(overflow)
-    token_axes = present(mesh, BATCH_AXES)
+    token_axes = context.token_axes(mesh)
     check_divisible(x.shape[0], mesh, token_axes, "MoE input (batch x sequence)")
     gate_spec = _nontrivial(logical_to_mesh(
         ("expert", "embed", "mlp"), mesh, rules, gate.shape, "MoE gate_proj"), mesh)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import context
 from models.config import ModelConfig
 from models.layers import param
 from models.moe.api import routed_experts
@@ -106,6 +107,9 @@ class MoE(nnx.Module):
           ``(y [B, T, H] compute dtype, RouterStats)``.
         """
         dt = self.dtype
+        mesh = jax.sharding.get_abstract_mesh()
+        c = context.context_size(mesh)  # tokens split over context: token-major order
+        x, token_mask = context.to_token_major(x, c), context.to_token_major(token_mask, c)
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).astype(dt)
         logits = jnp.einsum("th,he->te", flat, self.router[...].astype(dt),
@@ -114,7 +118,6 @@ class MoE(nnx.Module):
         params = (self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt),
                   self.down_proj[...].astype(dt))
         mask = token_mask.reshape(-1)
-        mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:
             y = dropless_experts(flat, experts, weights, *params, token_mask=mask)
             dropped = jnp.zeros((), jnp.float32)
@@ -127,7 +130,7 @@ class MoE(nnx.Module):
         m = mask.astype(jnp.float32)
         onehot = jax.nn.one_hot(experts, probs.shape[-1], dtype=jnp.float32).sum(axis=1)
         stats = RouterStats(m @ onehot, m @ probs, jnp.sum(m), dropped)
-        return y.reshape(shape), stats
+        return context.from_token_major(y.reshape(shape), c), stats
 
 
 def load_balancing_loss(stats: list[RouterStats]) -> jax.Array:

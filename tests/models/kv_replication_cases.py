@@ -51,8 +51,8 @@ def grpo_case(preset: str = "tiny", meshes: dict = MESHES) -> dict:
     out = {"kept": int(keep.sum()), "padding_rows": int((~keep.any(axis=1)).sum())}
     for name, sizes in meshes.items():
         placement = Placement(make_mesh(sizes), mdef)
-        got = step_outputs(mdef, params, arrays, num_seqs, jaxhead.bucket_for_shards(
-            keep, placement.batch_shards, multiple=16), placement)
+        got = step_outputs(mdef, params, arrays, num_seqs,
+                           placement.shard_bucket(keep, multiple=16), placement)
         grads = {k: relative(got["grads"][k], g) for k, g in ref["grads"].items()}
         out[name] = {
             "loss": relative(got["loss"], ref["loss"]),
