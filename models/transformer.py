@@ -66,7 +66,8 @@ class DecoderLayer(nnx.Module):
         x = x + attn
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
-            out, stats = self.mlp(h, segment_ids != 0)
+            # training and scoring (no cache): a row's tokens may be split over context
+            out, stats = self.mlp(h, segment_ids != 0, split_tokens=kv is None)
         else:
             out, stats = self.mlp(h), None
         return x + out, kv, stats

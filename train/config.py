@@ -299,9 +299,18 @@ def _mini_batches(cfg) -> list[tuple[str, str]]:
     return []
 
 
+def _context_rows(cfg) -> list[tuple[str, str]]:
+    """Under context parallelism each packed row splits into 2 chunks per context device
+    (``models.context.balance_order``)."""
+    parts = 2 * cfg.mesh.context
+    return [(f"{stage}.row_len", f"must be a multiple of {parts} (2 x mesh.context = "
+             f"{cfg.mesh.context}: each row's tokens split into 2 chunks per device)")
+            for stage in ("sft", "train") if cfg.mesh.context > 1 and cfg[stage].row_len % parts]
+
+
 #: Constraints between keys, checked once every key is in its domain.
 RELATIONS: list[d.Relation] = [_one_free_axis, _model, _task_kwargs, _tokenizer,
-                               _mini_batches]
+                               _mini_batches, _context_rows]
 
 
 def base_config() -> ConfigDict:

@@ -42,7 +42,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxhead.dispatch import Entry, Registry, target_platform
-from models import context
 from models.mesh import BATCH_AXES, axis_size, check_divisible, present
 from models.moe.dense import dense_round
 from models.moe.ragged import NATIVE, ragged_round, receive_rows
@@ -152,15 +151,14 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
                    up: jax.Array, down: jax.Array, *, mesh, rules=DEFAULT_RULES,
                    max_rows: int = MAX_DISPATCH_ROWS, dispatch: str = "auto",
                    capacity_factor: float | None = None, overflow: str = "drop",
-                   token_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                   token_mask: jax.Array | None = None,
+                   token_axes: tuple[str, ...] | None = None) -> tuple[jax.Array, jax.Array]:
     """``models.moe.reference.dropless_experts`` with the experts spread over ``mesh``:
     dropless, except that with the ragged dispatch and a ``capacity_factor`` the real pairs
     past the capacity are dropped (``models.moe.ragged``).
 
     Args:
-      x: ``[T, H]`` compute dtype, all tokens of the step, split over
-        ``models.context.token_axes(mesh)`` (the batch axes; with context parallelism
-        also ``context``, the tokens in token-major order).
+      x: ``[T, H]`` compute dtype, all tokens of the step, split over ``token_axes``.
       experts: int32 ``[T, k]``; weights: float32 ``[T, k]`` (the router's choice).
       gate, up: ``[E, H, I]``; down: ``[E, I, H]``; laid out by ``rules``.
       mesh: a ``Mesh`` or ``AbstractMesh`` with the ``models.mesh`` axes.
@@ -182,6 +180,9 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
       token_mask: bool ``[T]`` (split like ``x``): the real tokens; the others (padding)
         are routed nowhere (not sent, not computed, not counted against the capacity)
         and their output is 0. None: every token is real.
+      token_axes: the mesh axes ``x``'s tokens are split over, in order (default: the
+        batch axes present; with context parallelism ``models.context.token_axes``, the
+        tokens in its token-major order).
 
     Returns:
       ``(y, dropped)``: ``y [T, H]`` in the dtype of ``x``, split like ``x``; bool
@@ -200,7 +201,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
     ragged = REGISTRY.resolve(dispatch, platform=platform)[0] == "ragged"
     check_capacity_factor(capacity_factor)
     check_overflow(overflow)
-    token_axes = context.token_axes(mesh)
+    token_axes = present(mesh, BATCH_AXES) if token_axes is None else tuple(token_axes)
     check_divisible(x.shape[0], mesh, token_axes, "MoE input (batch x sequence)")
     gate_spec = _nontrivial(logical_to_mesh(
         ("expert", "embed", "mlp"), mesh, rules, gate.shape, "MoE gate_proj"), mesh)

@@ -95,20 +95,25 @@ class MoE(nnx.Module):
         self.up_proj = param(rngs, (e, h, i), ("expert", "embed", "mlp"), pd, in_axes=(1,))
         self.down_proj = param(rngs, (e, i, h), ("expert", "mlp", "embed"), pd, in_axes=(1,))
 
-    def __call__(self, x: jax.Array, token_mask: jax.Array) -> tuple[jax.Array, RouterStats]:
+    def __call__(self, x: jax.Array, token_mask: jax.Array, *, split_tokens: bool = False
+                 ) -> tuple[jax.Array, RouterStats]:
         """Route and run the experts.
 
         Args:
           x: ``[B, T, H]`` normed hidden states.
           token_mask: bool ``[B, T]``: the real tokens; the others (padding) are not
             dispatched, get output 0 and are not counted in the router statistics.
+          split_tokens: the rows' tokens are split over the mesh's ``context`` axis
+            (training and scoring; ``models.context``): the expert dispatch then takes
+            them in token-major order. False (decoding with a KV cache): rows only.
 
         Returns:
           ``(y [B, T, H] compute dtype, RouterStats)``.
         """
         dt = self.dtype
         mesh = jax.sharding.get_abstract_mesh()
-        c = context.context_size(mesh)  # tokens split over context: token-major order
+        # a row's tokens split over context (training): the experts see them token-major
+        c = context.context_size(mesh) if split_tokens else 1
         x, token_mask = context.to_token_major(x, c), context.to_token_major(token_mask, c)
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).astype(dt)
@@ -125,7 +130,8 @@ class MoE(nnx.Module):
             y, lost = routed_experts(
                 flat, experts, weights, *params, mesh=mesh, rules=self.rules,
                 dispatch=self.dispatch, capacity_factor=self.capacity_factor,
-                overflow=self.overflow, token_mask=mask)
+                overflow=self.overflow, token_mask=mask,
+                token_axes=context.token_axes(mesh) if c > 1 else None)
             dropped = jnp.sum(lost, dtype=jnp.float32)
         m = mask.astype(jnp.float32)
         onehot = jax.nn.one_hot(experts, probs.shape[-1], dtype=jnp.float32).sum(axis=1)

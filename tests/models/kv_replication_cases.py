@@ -36,14 +36,14 @@ def relative(a, b) -> float:
     return max_abs(a, b) / float(np.max(np.abs(np.asarray(b, np.float64))))
 
 
-def grpo_case(preset: str = "tiny", meshes: dict = MESHES) -> dict:
+def grpo_case(preset: str = "tiny", meshes: dict = MESHES, row_len: int = 16) -> dict:
     """The trainer's GRPO step (``train.steps.grpo_loss_fn``) of the random ``preset``
     (float32) on a packed batch (several sequences per row, tail padding, two padding
     rows), on each of ``meshes`` vs one device: the relative error of the loss, of the
     log-probs and entropy on the kept tokens and of every parameter's gradient; the
     placement of the K/V projections."""
     mdef, params = _policy(preset)
-    arrays, num_seqs = packed_batch(rows=6)
+    arrays, num_seqs = packed_batch(rows=6, row_len=row_len)
     arrays = pad(arrays, rows=2)
     keep = arrays["loss_mask"] > 0
     ref = step_outputs(mdef, params, arrays, num_seqs, jaxhead.bucket_for_shards(

@@ -51,7 +51,7 @@ BAD = {
     "checkpoint.every": 0, "checkpoint.keep": 0,
     "eval.size": 0, "eval.samples": 0, "eval.batch": -1,
     "metrics.peak_flops": -1.0,
-    "mesh.data": 0, "mesh.fsdp": -2, "mesh.expert": 0, "mesh.tensor": 0,
+    "mesh.data": 0, "mesh.fsdp": -2, "mesh.expert": 0, "mesh.context": 0, "mesh.tensor": 0,
     "mesh.rules": (("embed", "nope"),),
     "distributed.coordinator_address": "localhost", "distributed.num_processes": -1,
     "distributed.process_id": -2,
@@ -118,6 +118,16 @@ def test_keys_that_contradict_each_other_are_named(tmp_path, capsys):
     assert status == 2 and lines == [
         "error: mesh.fsdp = -1: at most one mesh axis may be -1, got ['data', 'fsdp']"]
     assert not (tmp_path / "run").exists()
+
+
+def test_rows_that_do_not_split_over_the_context_axis_are_named(tmp_path, capsys):
+    cfg = load_config(MICRO)
+    cfg.workdir = str(tmp_path / "run")
+    cfg.mesh.context, cfg.sft.row_len, cfg.train.row_len = 4, 100, 96
+    status, lines = _start(cfg, capsys)
+    assert status == 2 and lines == [
+        "error: sft.row_len = 100: must be a multiple of 8 (2 x mesh.context = 4: each "
+        "row's tokens split into 2 chunks per device)"]
 
 
 def test_a_key_no_schema_declares_is_reported(tmp_path, capsys):
