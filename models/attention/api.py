@@ -108,10 +108,12 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
                 f"(context={context}) a row's tokens are reordered for load balance")
         kernel, platform = REGISTRY[name]
         check_packing(positions, segment_ids)
-        run = functools.partial(_per_device, kernel, scale=scale,
-                                interpret=dispatch.target_platform() != platform)
+        interpret = dispatch.target_platform() != platform
+        run = functools.partial(_per_device, kernel, scale=scale, interpret=interpret)
         if impl == "auto":
-            reason = _lowering_error(run, q, k, v, segment_ids, platform)
+            shapes = tuple((x.shape, jnp.dtype(x.dtype)) for x in (q, k, v, segment_ids))
+            reason = _lowering_error(kernel, scale, interpret, platform, shapes,
+                                     jax.sharding.get_abstract_mesh())
             if reason is not None:
                 return dispatch.Unlowered(reason)
         return run(q, k, v, segment_ids)
@@ -125,19 +127,28 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
                              scale=scale)
 
 
-def _lowering_error(run, q, k, v, segment_ids, platform: str) -> str | None:
-    """``dispatch.lowering_error`` of ``run``'s forward and backward (``jax.grad`` of the
-    output's float32 sum w.r.t. ``q``, ``k``, ``v``) on abstract inputs of these shapes.
+@functools.lru_cache(maxsize=128)
+def _lowering_error(kernel, scale: float, interpret: bool, platform: str, shapes: tuple,
+                    mesh) -> str | None:
+    """``dispatch.lowering_error`` of the kernel's forward and backward (``jax.grad`` of
+    the output's float32 sum w.r.t. ``q``, ``k``, ``v``; ``_per_device`` under ``mesh``,
+    the abstract mesh in context) on abstract inputs of ``shapes`` (``(shape, dtype)`` of
+    ``q``, ``k``, ``v``, ``segment_ids``). Cached per call shape and mesh: every layer of
+    an unrolled stack and every retrace asks the same question.
 
     Raises:
-      KernelUnsupported: the kernel refuses the shapes (while tracing, before lowering).
+      KernelUnsupported: the kernel refuses the shapes (while tracing, before lowering;
+        not cached).
     """
+    run = functools.partial(_per_device, kernel, scale=scale, interpret=interpret)
+
     def loss(q, k, v, segment_ids):
         return jnp.sum(run(q, k, v, segment_ids).astype(jnp.float32))
 
-    args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, segment_ids)]
-    jax.eval_shape(run, *args)
-    return dispatch.lowering_error(jax.grad(loss, (0, 1, 2)), *args, platform=platform)
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+    with jax.sharding.use_abstract_mesh(mesh):
+        jax.eval_shape(run, *args)
+        return dispatch.lowering_error(jax.grad(loss, (0, 1, 2)), *args, platform=platform)
 
 
 def _per_device(kernel, q, k, v, segment_ids, **kwargs):

@@ -126,6 +126,23 @@ def test_auto_falls_back_with_a_log(monkeypatch, caplog):
     assert "splash cannot run this call" in caplog.text
 
 
+def test_the_kernel_probe_runs_once_per_call_shape(monkeypatch):
+    """Under ``"auto"`` the kernel's lowering probe runs once per call shape and mesh, not
+    once per layer or retrace."""
+    pos, seg = packed([[100, 120]], 256)
+    q, k, v, _ = qkv(jax.random.key(4), 1, 256, 256, 2, 1, 32)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    probes = []
+    monkeypatch.setattr(attention_api.dispatch, "lowering_error",
+                        lambda *a, **kw: probes.append(a))  # None: it lowers
+    attention_api._lowering_error.cache_clear()
+    for _ in range(3):
+        jax.eval_shape(lambda q, k, v: self_attention(q, k, v, pos, seg, scale=0.2), q, k, v)
+    assert len(probes) == 1
+    jax.eval_shape(lambda q: self_attention(q, k, v, pos, seg, scale=0.2), q[:, :, :1])
+    assert len(probes) == 2  # another shape, another probe
+
+
 def test_check_packing_and_config():
     pos, seg = packed([[4, 4]], 8)
     check_packing(pos, seg)
