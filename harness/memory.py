@@ -42,7 +42,8 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     Args:
       preset: a ``models.get_config`` name; bf16 compute, float32 parameters.
       mesh_sizes: ``models.mesh`` axis sizes (their product: the devices used).
-      batch: global sequences (0: one per batch shard); seq: tokens per sequence.
+      batch: global sequences (0: one per batch shard); seq: tokens per sequence (split
+        over the mesh's ``context`` axis, if it has one).
       keep: the fraction of tokens a loss reads (each token shard's bucket).
       layers: overrides ``num_hidden_layers`` (0: the preset's).
       remat: recompute each decoder layer in the backward.
@@ -60,7 +61,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     import optax
 
     import jaxhead
-    from models import get_config
+    from models import context, get_config
     from models.mesh import make_mesh
     from train import rl_loss, state, steps
     from train.placement import Placement
@@ -80,7 +81,8 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     loss_cfg = rl_loss.LossConfig()
     abstract = placement.abstract_state(tx)
     params, opt = abstract["params"], abstract["opt_state"]
-    per_shard = batch * seq // shards
+    split = context.context_size(mesh)  # a row's tokens over the context axis
+    per_shard = batch * seq // (shards * split)  # tokens per device
     bucket = jaxhead.bucket_size(math.ceil(keep * per_shard), per_shard)
 
     def batch_of(rows, tokens, sharding=None):
@@ -107,9 +109,10 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
             compiled = None
         seconds = time.perf_counter() - start
         largest = [] if compiled is None else largest_temporaries(_buffer_assignment(dump))
-    # activations are split over the batch axes: one device's rows, traced unsharded (the
-    # plain head), at the step's tokens and at half of them; what grows with the tokens is
-    # activations, the rest compute-dtype weight copies (at full, unsharded size)
+    # activations are split over the batch axes (and a row's tokens over context): one
+    # device's rows and tokens, traced unsharded (the plain head), at the step's tokens and
+    # at half of them; what grows with the tokens is activations, the rest compute-dtype
+    # weight copies (at full, unsharded size)
     rows = max(batch // shards, 1)
     loss_fn = steps.grpo_loss_fn(mdef, loss_cfg, 1.0, skip=True)
     local_params = mdef.abstract_params()
@@ -119,8 +122,8 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
         return saved_activation_bytes(lambda p, d: loss_fn(p, d, None, rows, b)[0],
                                       local_params, batch_of(rows, tokens))
 
-    saved, top_saved = saved_at(seq)
-    activations = 2 * (saved - saved_at(seq // 2)[0])  # linear in the tokens
+    saved, top_saved = saved_at(seq // split)
+    activations = 2 * (saved - saved_at(seq // split // 2)[0])  # linear in the tokens
     param_bytes = _shard_bytes(params)  # exact: the shards' sizes
     adam_bytes = _shard_bytes(opt)
     if compiled is None:
