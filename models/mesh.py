@@ -35,6 +35,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -117,8 +118,10 @@ def make_mesh(config=None, devices: Sequence[jax.Device] | None = None) -> Mesh:
       devices: devices to use (default ``jax.devices()``: every device of every process).
 
     Returns:
-      A ``jax.sharding.Mesh`` built with ``jax.make_mesh`` (topology-aware device order),
-      every axis ``AxisType.Auto``.
+      A ``jax.sharding.Mesh`` built with ``jax.make_mesh`` (topology-aware device order;
+      where no mesh axis matches a TPU slice's physical axes, with physical axes split,
+      ``mesh_utils.create_device_mesh(..., allow_split_physical_axes=True)``), every axis
+      ``AxisType.Auto``.
 
     Raises:
       ValueError: sizes that do not multiply to the number of devices (both named).
@@ -126,8 +129,14 @@ def make_mesh(config=None, devices: Sequence[jax.Device] | None = None) -> Mesh:
     cfg = MeshConfig() if config is None else MeshConfig.from_config(config)
     devices = list(jax.devices() if devices is None else devices)
     shape = cfg.shape(len(devices))
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES),
-                         devices=devices)
+    types = (AxisType.Auto,) * len(AXES)
+    try:
+        return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
+    except NotImplementedError:
+        # a TPU slice whose physical axes no subset of mesh axes matches (e.g. context=4 on
+        # v6e:8x8's 8 x 8): split a physical axis, keeping each mesh axis's devices close
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        return Mesh(grid, AXES, axis_types=types)
 
 
 def axis_size(mesh, axes: str | Sequence[str]) -> int:

@@ -109,3 +109,16 @@ def test_small_moe_grpo_step_compiles_on_a_mesh():
     assert row["peak"] >= row["params"] + row["adam"] > 0
     assert row["saved"] > 0 and len(row["largest"]) == 3
     assert row["kernels"] == 6, row  # the head's fwd / dh / dW, splash's fwd / dq / dkv
+
+
+def test_context_parallel_grpo_step_compiles_on_a_v6e_slice():
+    """The tiny MoE's GRPO step with each row's tokens over context=4 on a 64-chip v6e
+    slice (fsdp=2 x expert=8 x context=4: a mesh ``jax.make_mesh`` cannot lay on the 8 x 8
+    chips without splitting a physical axis): it compiles with the Pallas head and the
+    gathered-K/V XLA attention (splash masks by index: refused under context)."""
+    from harness.memory import measure
+
+    row = measure("tiny-moe", {"data": 1, "fsdp": 2, "expert": 8, "context": 4}, batch=0,
+                  seq=512, keep=0.5, layers=0, topology="v6e:8x8", dispatch="ragged")
+    assert row["tokens"] == 128 and row["fits"] == "yes", row
+    assert row["kernels"] == 3, row  # the head's fwd / dh / dW; no splash
