@@ -32,15 +32,15 @@ def vocab_parallel(hidden, weight, labels, keep=None, *, temperature=1.0, softca
     plan, padded = xla.make_plan(jaxhead.XlaConfig(token_chunk=16, vocab_chunk=96), spec,
                                  Tuning())
     pad = padded - n
-    inv_temp = jnp.pad(jnp.broadcast_to(1.0 / jnp.asarray(temperature, jnp.float32), (n,)),
-                       (0, pad), constant_values=1.0)
+    temperature = jnp.pad(jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (n,)),
+                          (0, pad), constant_values=1.0)
     w_shards = weight.reshape(h, shards, v // shards).transpose(1, 0, 2)
     ml = jnp.full((n,), -jnp.inf) if min_logit is None else jnp.asarray(min_logit, jnp.float32)
     ml = jnp.pad(ml, (0, pad), constant_values=-jnp.inf)
 
     def one(w):
         return xla.chunked_head(plan, jnp.pad(hidden, ((0, pad), (0, 0))), w,
-                                jnp.pad(labels, (0, pad)), inv_temp, ml)
+                                jnp.pad(labels, (0, pad)), temperature, ml)
 
     logp, ent = jax.vmap(one, axis_name="v")(w_shards)
     return jaxhead.HeadOutput(logp[0, :n], ent[0, :n])

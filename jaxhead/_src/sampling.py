@@ -50,11 +50,12 @@ def _check(hidden, weight, num_valid, temperature, top_k, top_p, min_p):
     return num_valid
 
 
-def _inv_temp(temperature):
-    """``(1 / temperature, sampled)``: greedy (``temperature == 0``) scores at 1."""
-    t = jnp.asarray(temperature, jnp.float32)
-    sampled = t > 0
-    return jnp.where(sampled, 1.0 / jnp.where(sampled, t, 1.0), 1.0), sampled
+def _row_temperature(temperature, rows: int):
+    """``(temperature, sampled)``: float32 ``[rows, 1]`` and bool; greedy
+    (``temperature == 0``) scores at temperature 1."""
+    temperature = jnp.asarray(temperature, jnp.float32)
+    sampled = temperature > 0
+    return jnp.full((rows, 1), jnp.where(sampled, temperature, 1.0)), sampled
 
 
 def _mix(x: jax.Array) -> jax.Array:
@@ -96,11 +97,12 @@ def _noise(seeds, ids, sampled):
                     lambda: jnp.zeros(ids.shape, jnp.float32))
 
 
-def _pick(z, g, it, eligible):
-    """Per row: ``(index, z, g, eligible)`` of the arg-max of ``(z - max z) * it + g`` over
-    the ``eligible`` columns of the tile (the first index among ties)."""
+def _pick(z, g, inv_temperature, eligible):
+    """Per row: ``(index, z, g, eligible)`` of the arg-max of
+    ``(z - max z) * inv_temperature + g`` over the ``eligible`` columns of the tile (the
+    first index among ties)."""
     m = jnp.max(jnp.where(eligible, z, -jnp.inf), axis=1, keepdims=True)
-    score = jnp.where(eligible, (z - m) * it + g, -jnp.inf)
+    score = jnp.where(eligible, (z - m) * inv_temperature + g, -jnp.inf)
     j = jnp.argmax(score, axis=1)[:, None]
 
     def at(x):
@@ -109,13 +111,13 @@ def _pick(z, g, it, eligible):
     return j[:, 0].astype(jnp.int32), at(z), at(g), at(eligible)
 
 
-def _better(z, g, ok, best_z, best_g, it):
+def _better(z, g, ok, best_z, best_g, inv_temperature):
     """The candidate beats the best so far (ties keep the earlier, lower id)."""
     first = best_z == -jnp.inf
-    return ok & (first | ((z - best_z) * it[:, 0] + (g - best_g) > 0))
+    return ok & (first | ((z - best_z) * inv_temperature[:, 0] + (g - best_g) > 0))
 
 
-def _chunked(hidden, weight, seeds, it, sampled, softcap, num_valid, vocab_chunk):
+def _chunked(hidden, weight, seeds, temperature, sampled, softcap, num_valid, vocab_chunk):
     """The untruncated path. Per chunk, one logarithm per column: the Gumbel-max winner is
     the arg-max of ``exp(d) / E`` with ``E = -log(u) = exp(-g)`` (the same order as
     ``d + g``), reusing the ``exp`` of the log-sum-exp; only the winner's ``g`` is formed.
@@ -123,6 +125,7 @@ def _chunked(hidden, weight, seeds, it, sampled, softcap, num_valid, vocab_chunk
     0, or below float32's range) scores 0 while the chunk's max scores at least 0.06."""
     rows = hidden.shape[0]
     f32 = jnp.float32
+    inv_temperature = 1.0 / temperature  # [B, 1]
     init = (hm.init_stats((rows, 1)), jnp.zeros((rows,), jnp.int32),
             jnp.full((rows,), -jnp.inf, f32), jnp.zeros((rows,), f32))
     chunk = min(vocab_chunk, weight.shape[1])
@@ -131,8 +134,9 @@ def _chunked(hidden, weight, seeds, it, sampled, softcap, num_valid, vocab_chunk
         stats, tok, best_z, best_g = carry
         z, _ = hm.logits(hm.matmul(h, w_c, (1, 0)), softcap)
         ids = lax.broadcasted_iota(jnp.int32, z.shape, 1) + off
-        terms = hm.tile_exp(z, it, None)
-        stats = hm.merge(stats, hm.tile_stats(z, it, None, None, False, terms), it, False)
+        terms = hm.tile_exp(z, inv_temperature, None)
+        tile = hm.tile_stats(z, inv_temperature, None, None, False, terms)
+        stats = hm.merge(stats, tile, inv_temperature, False)
         expo = lax.cond(sampled, lambda: -jnp.log(_uniform(seeds, ids)),
                         lambda: jnp.ones(z.shape, f32))
         score = jnp.where(terms[3] & (ids < num_valid), terms[2] / expo, -1.0)
@@ -142,13 +146,13 @@ def _chunked(hidden, weight, seeds, it, sampled, softcap, num_valid, vocab_chunk
             return jnp.take_along_axis(x, j, axis=1)[:, 0]
 
         cz, cg = at(z), jnp.where(sampled, -jnp.log(at(expo)), 0.0)
-        take = _better(cz, cg, at(score) > 0, best_z, best_g, it)
+        take = _better(cz, cg, at(score) > 0, best_z, best_g, inv_temperature)
         return (stats, jnp.where(take, j[:, 0] + off, tok), jnp.where(take, cz, best_z),
                 jnp.where(take, cg, best_g))
 
     tuning = sc.Tuning()
     stats, tok, z_tok, _ = sc.scan_vocab(tuning, chunk, step, init, weight, (hidden,))
-    logp = (z_tok - stats.m[:, 0]) * it[:, 0] - jnp.log1p(stats.r[:, 0])
+    logp = (z_tok - stats.m[:, 0]) * inv_temperature[:, 0] - jnp.log1p(stats.r[:, 0])
     ninf = jnp.full((rows,), -jnp.inf, f32)
     return Sample(tok, logp, ninf, jnp.zeros((rows,), f32))
 
@@ -201,10 +205,11 @@ def _threshold(l, eligible, top_k, top_p, min_p):
     return jnp.where(min_p > 0, jnp.maximum(tau, m + jnp.log(min_p)), tau)
 
 
-def _truncated(hidden, weight, seeds, it, sampled, softcap, num_valid, top_k, top_p, min_p):
+def _truncated(hidden, weight, seeds, temperature, sampled, softcap, num_valid, top_k, top_p,
+               min_p):
+    inv_temperature = 1.0 / temperature  # [B, 1]
     z, _ = hm.logits(hm.matmul(hidden, weight, (1, 0)), softcap)
-    it2 = it  # [B, 1]
-    l = z * it2
+    l = z * inv_temperature
     ids = lax.broadcasted_iota(jnp.int32, z.shape, 1)
     eligible = (ids < num_valid) & (z > -jnp.inf)
     tau = jnp.where(sampled, _threshold(l, eligible, top_k, top_p, min_p), -jnp.inf)
@@ -215,10 +220,12 @@ def _truncated(hidden, weight, seeds, it, sampled, softcap, num_valid, top_k, to
     below = jnp.max(jnp.where(support, -jnp.inf, l), axis=1, keepdims=True)
     tau = jnp.where(below > -jnp.inf, tau + 0.5 * (below - tau), -jnp.inf)
     g = _noise(seeds, ids, sampled)
-    tok, _, _, _ = _pick(z, g, it2, eligible & support)
+    tok, _, _, _ = _pick(z, g, inv_temperature, eligible & support)
     hit = ids == tok[:, None]
-    rows = hm.finalize(hm.tile_stats(z, it2, support | hit, hit, False), it2, False)
-    full = hm.finalize(hm.tile_stats(z, it2, None, hit, False), it2, False)
+    rows = hm.finalize(hm.tile_stats(z, inv_temperature, support | hit, hit, False),
+                       inv_temperature, False)
+    full = hm.finalize(hm.tile_stats(z, inv_temperature, None, hit, False), inv_temperature,
+                       False)
     return Sample(tok, rows.logp[:, 0], tau[:, 0], full.logp[:, 0] - rows.logp[:, 0])
 
 
@@ -264,11 +271,11 @@ def sample(
         named).
     """
     num_valid = _check(hidden, weight, num_valid, temperature, top_k, top_p, min_p)
-    inv_temp, sampled = _inv_temp(temperature)
-    it = jnp.full((hidden.shape[0], 1), inv_temp)
+    temperature, sampled = _row_temperature(temperature, hidden.shape[0])
     seeds = jax.random.bits(key, (hidden.shape[0], 2), jnp.uint32)
     off = all(_static(x) for x in (top_k, top_p, min_p)) and not (top_k or top_p < 1 or min_p)
     if not off:
-        return _truncated(hidden, weight, seeds, it, sampled, softcap, num_valid, top_k,
-                          top_p, min_p)
-    return _chunked(hidden, weight, seeds, it, sampled, softcap, num_valid, vocab_chunk)
+        return _truncated(hidden, weight, seeds, temperature, sampled, softcap, num_valid,
+                          top_k, top_p, min_p)
+    return _chunked(hidden, weight, seeds, temperature, sampled, softcap, num_valid,
+                    vocab_chunk)

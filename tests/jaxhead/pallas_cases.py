@@ -44,7 +44,7 @@ class Case:
 
 
 def inputs(case: Case):
-    """Random non-zero ``(h, w, labels, inv_temp, g, e)``: ``h`` ~ N(0, 1), ``w`` scaled so
+    """Random non-zero ``(h, w, labels, temperature, g, e)``: ``h`` ~ N(0, 1), ``w`` scaled so
     logits have std ~3.4 (peaked rows), temperatures in [0.5, 2], loss weights ~ N(0, 1/n)."""
     dtype = jnp.dtype(case.dtype)
     k = jax.random.split(jax.random.key(case.seed), 6)
@@ -53,17 +53,17 @@ def inputs(case: Case):
     w = (0.3 * jax.random.normal(k[1], (HIDDEN, v), jnp.float32)).astype(dtype)
     labels = jax.random.randint(k[2], (n,), 0, v, jnp.int32)
     if case.token_temp:
-        inv_temp = 1.0 / jax.random.uniform(k[3], (n,), jnp.float32, 0.5, 2.0)
+        temperature = jax.random.uniform(k[3], (n,), jnp.float32, 0.5, 2.0)
     else:
-        inv_temp = jnp.full((n,), 1.0 / 0.7, jnp.float32)
+        temperature = jnp.full((n,), 0.7, jnp.float32)
     g = jax.random.normal(k[4], (n,), jnp.float32) / n
     e = jax.random.normal(k[5], (n,), jnp.float32) / n
-    return h, w, labels, inv_temp, g, e
+    return h, w, labels, temperature, g, e
 
 
 def head_fn(impl: str, case: Case, config=None, hidden: int = HIDDEN, mode="interpret",
             truncated: bool = False):
-    """``head(h, w, labels, inv_temp, min_logit=None) -> (logp, entropy)`` of implementation
+    """``head(h, w, labels, temperature, min_logit=None) -> (logp, entropy)`` of implementation
     ``impl`` on ``case.n`` rows (padded to its tiles and sliced back by
     ``api.run_compacted``), planned with ``config`` in Pallas ``mode``; ``truncated``: the
     plan reads ``min_logit``."""
@@ -72,9 +72,9 @@ def head_fn(impl: str, case: Case, config=None, hidden: int = HIDDEN, mode="inte
     with jaxhead.pallas_interpret(mode):
         chosen, made, padded = api.plan(impl, config, spec)
 
-    def head(h, w, labels, inv_temp, min_logit=None):
+    def head(h, w, labels, temperature, min_logit=None):
         ml = jnp.full(labels.shape, -jnp.inf) if min_logit is None else min_logit
-        return api.run_compacted(chosen, made, padded, h, w, labels, inv_temp, ml)
+        return api.run_compacted(chosen, made, padded, h, w, labels, temperature, ml)
 
     return head
 
@@ -84,20 +84,20 @@ def xla_head(case: Case):
     return head_fn("xla", case, jaxhead.XlaConfig(token_chunk=64, vocab_chunk=384))
 
 
-def results(head, h, w, labels, inv_temp, g, e):
+def results(head, h, w, labels, temperature, g, e):
     """``(logp, entropy, dh, dw)`` of ``head`` for the loss ``sum(g logp + e entropy)``,
     under ``jit`` (one compile instead of eager dispatch of every op)."""
 
     @jax.jit
-    def run(h, w, labels, inv_temp, g, e):
+    def run(h, w, labels, temperature, g, e):
         def loss(h, w):
-            logp, ent = head(h, w, labels, inv_temp)
+            logp, ent = head(h, w, labels, temperature)
             return jnp.sum(g * logp) + jnp.sum(e * ent), (logp, ent)
 
         (_, (logp, ent)), (dh, dw) = jax.value_and_grad(loss, (0, 1), has_aux=True)(h, w)
         return logp, ent, dh, dw
 
-    return run(h, w, labels, inv_temp, g, e)
+    return run(h, w, labels, temperature, g, e)
 
 
 @functools.cache

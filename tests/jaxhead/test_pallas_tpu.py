@@ -92,9 +92,9 @@ def test_race_detector_is_live():
 
 def test_label_outside_vocab_gives_nan():
     case = Case(32, 300, "float32")
-    h, w, labels, inv_temp, _, _ = inputs(case)
+    h, w, labels, temperature, _, _ = inputs(case)
     labels = labels.at[3].set(300).at[5].set(-1)
-    logp, ent = jax.jit(kernel_head(case))(h, w, labels, inv_temp)
+    logp, ent = jax.jit(kernel_head(case))(h, w, labels, temperature)
     bad = np.zeros(32, bool)
     bad[[3, 5]] = True
     np.testing.assert_array_equal(np.isnan(np.asarray(logp)), bad)
@@ -124,9 +124,10 @@ def test_lowers_to_mosaic_at_production_shape(dtype):
     cfg = dataclasses.replace(cfg, interpret=None)
     assert padded == 16384 and cfg.vmem_limit_bytes <= 0.9 * 64 * 2**20
 
-    def grads(h, w, y, it):
+    def grads(h, w, y, temperature):
         def loss(h, w):
-            logp, ent = pallas_tpu.chunked_head(cfg, h, w, y, it, jnp.full_like(it, -jnp.inf))
+            logp, ent = pallas_tpu.chunked_head(cfg, h, w, y, temperature,
+                                                jnp.full_like(temperature, -jnp.inf))
             return jnp.sum(logp) + jnp.sum(ent)
 
         return jax.grad(loss, (0, 1))(h, w)

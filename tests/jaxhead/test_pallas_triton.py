@@ -67,19 +67,19 @@ def test_a_wrong_result_fails_the_check():
 def test_hidden_not_a_multiple_of_the_step():
     """H = 100 with K = 64: the second hidden step is masked on both operands."""
     case = Case(40, 300, "float32", softcap=5.0, seed=5)
-    h, w, labels, inv_temp, g, e = inputs(case)
+    h, w, labels, temperature, g, e = inputs(case)
     h, w = h[:, :100], w[:100]
     oracle = head_fn("xla", case, jaxhead.XlaConfig(token_chunk=40, vocab_chunk=128), 100)
-    got = results(kernel_head(case, hidden=100), h, w, labels, inv_temp, g, e)
-    want = results(oracle, h, w, labels, inv_temp, g, e)
+    got = results(kernel_head(case, hidden=100), h, w, labels, temperature, g, e)
+    want = results(oracle, h, w, labels, temperature, g, e)
     assert_matches(got, want, case.dtype)
 
 
 def test_label_outside_vocab_gives_nan():
     case = Case(32, 300, "float32")
-    h, w, labels, inv_temp, _, _ = inputs(case)
+    h, w, labels, temperature, _, _ = inputs(case)
     labels = labels.at[3].set(300).at[5].set(-1)
-    logp, ent = jax.jit(kernel_head(case))(h, w, labels, inv_temp)
+    logp, ent = jax.jit(kernel_head(case))(h, w, labels, temperature)
     bad = np.zeros(32, bool)
     bad[[3, 5]] = True
     np.testing.assert_array_equal(np.isnan(np.asarray(logp)), bad)
@@ -100,9 +100,10 @@ def test_lowers_to_triton_at_production_shape(dtype):
     cfg = dataclasses.replace(cfg, interpret=None)
     assert padded == 16384
 
-    def grads(h, w, y, it):
+    def grads(h, w, y, temperature):
         def loss(h, w):
-            logp, ent = pallas_triton.chunked_head(cfg, h, w, y, it, jnp.full_like(it, -jnp.inf))
+            logp, ent = pallas_triton.chunked_head(cfg, h, w, y, temperature,
+                                                   jnp.full_like(temperature, -jnp.inf))
             return jnp.sum(logp) + jnp.sum(ent)
 
         return jax.grad(loss, (0, 1))(h, w)

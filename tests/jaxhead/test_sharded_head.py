@@ -98,7 +98,7 @@ def test_vocab_parallel_combination_equals_one_pass():
     hidden = hidden.at[:4].set(u).at[8:].multiply(6.0)
     weight = weight.at[:, 5].set(col).at[:, 389].set(col)
     labels = labels.at[:2].set(389)
-    inv_temp = jnp.full((n,), 1.0 / 0.9)
+    temperature = jnp.full((n,), 0.9)
     w_shards = weight.reshape(h, shards, v // shards).transpose(1, 0, 2)
     config = jaxhead.XlaConfig(token_chunk=8, vocab_chunk=48)
     spec = HeadSpec(n, h, v, "float32", None, True, vocab_axis="v", vocab_shards=shards)
@@ -106,14 +106,14 @@ def test_vocab_parallel_combination_equals_one_pass():
     full, _ = xla.make_plan(config, HeadSpec(n, h, v, "float32", None, True), Tuning())
 
     def log_z(rows):  # logZ = m / temperature + log s
-        return rows.logp, rows.entropy, rows.m * inv_temp + rows.log_s
+        return rows.logp, rows.entropy, rows.m / temperature + rows.log_s
 
     untruncated = jnp.full((n,), -jnp.inf)
     per_shard = jax.vmap(
-        lambda w: log_z(xla._forward(plan, hidden, w, labels, inv_temp, untruncated)),
+        lambda w: log_z(xla._forward(plan, hidden, w, labels, temperature, untruncated)),
         axis_name="v")
     got = jax.jit(per_shard)(w_shards)
-    ref = jax.jit(lambda w: log_z(xla._forward(full, hidden, w, labels, inv_temp,
+    ref = jax.jit(lambda w: log_z(xla._forward(full, hidden, w, labels, temperature,
                                                untruncated)))(weight)
     for g, want in zip(got, ref, strict=True):
         for k in range(shards):  # every shard returns the combined values

@@ -123,15 +123,15 @@ def _resolve_bucket(keep, bucket, num_tokens: int) -> int:
     return min(bucket, num_tokens)
 
 
-def run_compacted(head, made, padded: int, h, weight, y, inv_temp, min_logit, keep=None):
+def run_compacted(head, made, padded: int, h, weight, y, temperature, min_logit, keep=None):
     """Compact the kept rows into ``padded`` slots, run ``head(made, ...)``, expand back.
 
     Args:
       head: an implementation (``HeadImplementation``) and ``made`` its plan for
         ``padded`` rows.
       h: ``[N, H]``; weight: ``[H, V]`` (or a vocab shard); y: int32 ``[N]``;
-      inv_temp, min_logit: float32 ``[N]``; keep: bool ``[N]`` or None (every row, in
-      order).
+      temperature, min_logit: float32 ``[N]`` (padding rows get 1.0 and ``-inf``); keep:
+      bool ``[N]`` or None (every row, in order).
 
     Returns:
       float32 ``(logp, entropy)``, ``[N]`` each: 0 where not kept, NaN for kept rows
@@ -147,13 +147,13 @@ def run_compacted(head, made, padded: int, h, weight, y, inv_temp, min_logit, ke
     if keep is None:  # every row, in order: pad to the implementation's row multiple
         pad = [(0, padded - num_tokens)]
         logp, ent = head(made, jnp.pad(h, pad + [(0, 0)]), weight, jnp.pad(y, pad),
-                         jnp.pad(inv_temp, pad, constant_values=1.0),
+                         jnp.pad(temperature, pad, constant_values=1.0),
                          jnp.pad(min_logit, pad, constant_values=-jnp.inf))
         return logp[:num_tokens], ent[:num_tokens]
     idx, pos = compaction.kept_indices(keep, padded)
     gather = compaction.gather_rows
     logp, ent = head(made, compaction.compact(h, idx, pos), weight, gather(y, idx, 0),
-                     gather(inv_temp, idx, 1.0), gather(min_logit, idx, -jnp.inf))
+                     gather(temperature, idx, 1.0), gather(min_logit, idx, -jnp.inf))
     logp, ent = compaction.expand(logp, idx, pos), compaction.expand(ent, idx, pos)
     if padded < num_tokens:
         lost = compaction.overflow_mask(keep, padded)
@@ -191,12 +191,12 @@ def mask_ignored(ignored, logp, ent):
 
 
 def row_inputs(temperature, min_logit, batch_shape):
-    """float32 ``(1 / temperature, min_logit)``, flat ``[N]`` each, without gradients
-    (``min_logit`` None: ``-inf``)."""
+    """float32 ``(temperature, min_logit)``, flat ``[N]`` each, without gradients (the one
+    ``stop_gradient`` of both; ``min_logit`` None: ``-inf``)."""
     stop = jax.lax.stop_gradient
-    inv_temp = 1.0 / stop(jnp.asarray(temperature, jnp.float32))
+    temperature = stop(jnp.asarray(temperature, jnp.float32))
     ml = -jnp.inf if min_logit is None else stop(jnp.asarray(min_logit, jnp.float32))
-    return tuple(jnp.broadcast_to(x, batch_shape).reshape(-1) for x in (inv_temp, ml))
+    return tuple(jnp.broadcast_to(x, batch_shape).reshape(-1) for x in (temperature, ml))
 
 
 def token_logprobs(

@@ -1,9 +1,10 @@
 """What every implementation of the head shares: the problem it is asked to solve
-(``HeadSpec``), the interface it satisfies (``HeadImplementation``), and the custom-VJP scaffold the chunked implementations are built
-on (``differentiable``).
+(``HeadSpec``), the interface it satisfies (``HeadImplementation``), and the custom-VJP
+scaffold the chunked implementations are built on (``differentiable``).
 
 An implementation works on *compacted* rows: ``h [B, H]`` (padding rows zero),
-``w [H, V_local]``, ``labels`` int32 ``[B]``, ``inv_temp`` float32 ``[B]``, ``min_logit``
+``w [H, V_local]``, ``labels`` int32 ``[B]``, ``temperature`` float32 ``[B]`` (> 0; 1.0 on
+padding rows; each kernel or scan body forms ``1 / temperature`` itself), ``min_logit``
 float32 ``[B]`` (read only when ``spec.truncated``); ``B`` is the padded row count its
 ``plan`` returned. It returns float32 ``(logp, entropy)`` ``[B]``,
 differentiable with respect to ``h`` and ``w``.
@@ -74,7 +75,7 @@ class HeadImplementation(Protocol):
         """
 
     def __call__(self, plan: Hashable, h: jax.Array, w: jax.Array, labels: jax.Array,
-                 inv_temp: jax.Array, min_logit: jax.Array) -> tuple[jax.Array, jax.Array]:
+                 temperature: jax.Array, min_logit: jax.Array) -> tuple[jax.Array, jax.Array]:
         """float32 ``(logp, entropy)`` ``[B]`` of the compacted rows."""
 
 
@@ -85,7 +86,7 @@ class Implementation:
     Attributes:
       config_type: the settings dataclass.
       make_plan: ``(config or None, spec) -> (plan, padded rows)``.
-      head: ``(plan, h, w, labels, inv_temp, min_logit) -> (logp, entropy)``.
+      head: ``(plan, h, w, labels, temperature, min_logit) -> (logp, entropy)``.
     """
 
     config_type: type
@@ -95,8 +96,8 @@ class Implementation:
     def plan(self, config, spec: HeadSpec) -> tuple[Hashable, int]:
         return self.make_plan(config, spec)
 
-    def __call__(self, plan, h, w, labels, inv_temp, min_logit):
-        return self.head(plan, h, w, labels, inv_temp, min_logit)
+    def __call__(self, plan, h, w, labels, temperature, min_logit):
+        return self.head(plan, h, w, labels, temperature, min_logit)
 
 
 Forward = Callable[..., hm.Rows]
@@ -104,29 +105,29 @@ Backward = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 def differentiable(forward: Forward, backward: Backward):
-    """A head function ``(plan, h, w, labels, inv_temp, min_logit) -> (logp, entropy)`` from
-    a ``forward(plan, h, w, labels, inv_temp, min_logit) -> math.Rows`` and a
-    ``backward(plan, h, w, labels, inv_temp, min_logit, m, log_s, entropy, g, e) ->
+    """A head function ``(plan, h, w, labels, temperature, min_logit) -> (logp, entropy)`` from
+    a ``forward(plan, h, w, labels, temperature, min_logit) -> math.Rows`` and a
+    ``backward(plan, h, w, labels, temperature, min_logit, m, log_s, entropy, g, e) ->
     (dh, dw)`` that recomputes the logit tiles. The plan must have a ``spec``
     (``HeadSpec``).
 
     What it adds, once for every implementation: the ``custom_vjp`` (residuals: the inputs
     and three float32 ``[B]`` vectors, nothing vocabulary-sized but ``w``), the label rule
     (``logp = NaN`` where a label is outside ``[0, V)``, never a silently wrong number), the
-    dtypes (int32 labels; float32 ``1 / temperature`` and ``min_logit``, which get no
+    dtypes (int32 labels; float32 ``temperature`` and ``min_logit``, which get no
     cotangent: they are data, not parameters, stopped once where the rows are made,
     ``api.row_inputs``).
     """
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-    def head(plan, h, w, labels, inv_temp, min_logit):
-        return head_fwd(plan, h, w, labels, inv_temp, min_logit)[0]
+    def head(plan, h, w, labels, temperature, min_logit):
+        return head_fwd(plan, h, w, labels, temperature, min_logit)[0]
 
-    def head_fwd(plan, h, w, labels, inv_temp, min_logit):
-        rows = forward(plan, h, w, labels, inv_temp, min_logit)
+    def head_fwd(plan, h, w, labels, temperature, min_logit):
+        rows = forward(plan, h, w, labels, temperature, min_logit)
         ok = (labels >= 0) & (labels < plan.spec.vocab_size)
         logp = jnp.where(ok, rows.logp, jnp.nan)
-        return (logp, rows.entropy), (h, w, labels, inv_temp, min_logit, rows.m, rows.log_s,
+        return (logp, rows.entropy), (h, w, labels, temperature, min_logit, rows.m, rows.log_s,
                                       rows.entropy)
 
     def head_bwd(plan, res, cts):
@@ -136,8 +137,8 @@ def differentiable(forward: Forward, backward: Backward):
 
     head.defvjp(head_fwd, head_bwd)
 
-    def call(plan, h, w, labels, inv_temp, min_logit):
-        return head(plan, h, w, labels.astype(jnp.int32), inv_temp.astype(jnp.float32),
-                    min_logit.astype(jnp.float32))
+    def call(plan, h, w, labels, temperature, min_logit):
+        return head(plan, h, w, labels.astype(jnp.int32),
+                    temperature.astype(jnp.float32), min_logit.astype(jnp.float32))
 
     return call

@@ -6,17 +6,20 @@ Mosaic (TPU) and Triton (GPU) and runs in Pallas interpret mode. Shapes: a tile 
 ``[T, C]`` (T rows, C vocab columns); per-row values are float32 ``[T, 1]`` (or any shape
 that broadcasts against the tile: the combine and finalise steps are elementwise).
 
-A row's logits are ``l = z * it`` with ``z = u`` or, with a soft-cap ``c``, ``z = c tanh(u/c)``
-(Gemma 2), ``u = h . w`` accumulated in float32 and ``it = 1 / temperature``. The online
-statistics of the columns seen so far (docs/design.md, step 3) are kept as::
+A row's logits are ``l = z * inv_temperature`` with ``z = u`` or, with a soft-cap ``c``,
+``z = c tanh(u/c)`` (Gemma 2), ``u = h . w`` accumulated in float32 and
+``inv_temperature = 1 / temperature``, the float32 ``[T, 1]`` multiplier every function here
+takes (each kernel or scan body forms it from the row's temperature). The online statistics
+of the columns seen so far (docs/design.md, step 3) are kept as::
 
-    m   = max_v z_v                                   (pre-temperature; -inf before any column)
-    r   = s - 1,  s = sum_v exp(d_v),  d_v = (z_v - m) * it   (-1 before any column)
-    t   = sum_v exp(d_v) d_v                          (0 without entropy)
+    m   = max_v z_v                                (pre-temperature; -inf before any column)
+    r   = s - 1,  s = sum_v exp(d_v)               (-1 before any column)
+    d_v = (z_v - m) * inv_temperature
+    t   = sum_v exp(d_v) d_v                       (0 without entropy)
     zy  = z of the label column (0 while it is not among the columns)
 
-and at the end ``log s = log1p(r)``, ``logZ = m * it + log s``,
-``logp = (zy - m) * it - log s``, ``entropy = log s - t / s``.
+and at the end ``log s = log1p(r)``, ``logZ = m * inv_temperature + log s``,
+``logp = (zy - m) * inv_temperature - log s``, ``entropy = log s - t / s``.
 
 Three choices keep float32 exact where it matters:
 
@@ -24,9 +27,9 @@ Three choices keep float32 exact where it matters:
   peaked row's ``s = 1 + 0.003`` keeps all the digits of ``0.003`` (and ``log s``, the
   entropy and every probability with them).
 * The maximum is taken on ``z``, before the temperature, and every exponent is
-  ``(z - m) * it``: the difference is exact or nearly (Sterbenz) and only then scaled, so a
-  temperature of 0.01 (logits ~1e4) or a large common shift of the logits costs no digits
-  beyond the matmul's own rounding of ``u``.
+  ``(z - m) * inv_temperature``: the difference is exact or nearly (Sterbenz) and only then
+  scaled, so a temperature of 0.01 (logits ~1e4) or a large common shift of the logits costs
+  no digits beyond the matmul's own rounding of ``u``.
 * The backward pass rebuilds ``p_v = exp(d_v - log s)`` from ``m`` and ``log s`` (both
   saved), never from a rounded ``logZ``: with ``z = [512, 511]`` a float32 ``logZ`` is off by
   half an ulp of 512 (3e-5) and so would be every probability and gradient.
@@ -98,33 +101,34 @@ def _live(z, valid):
     return live if valid is None else live & valid
 
 
-def support(z, it, min_logit, hit, valid=None):
+def support(z, inv_temperature, min_logit, hit, valid=None):
     """The columns of a tile that are in the distribution: ``valid`` (None: all) and, when
     ``min_logit`` (``[T, 1]``) is given, in the truncated support ``{l >= min_logit}`` with
-    ``l = z * it``, the label column always included (so that a token sampled from the
+    ``l = z * inv_temperature``, the label column always included (so that a token sampled from the
     support is scored there even when the trainer's logits round it just below the
     threshold). Returns None when every column is in."""
     if min_logit is None:
         return valid
-    inside = (z * it >= min_logit) | hit
+    inside = (z * inv_temperature >= min_logit) | hit
     return inside if valid is None else inside & valid
 
 
-def tile_exp(z, it, valid):
+def tile_exp(z, inv_temperature, valid):
     """``(m, d, e, live)`` of one tile: the max ``m`` ``[T, 1]`` of ``z`` over its live
-    columns (``valid`` and not ``-inf``), ``d = (z - m) * it`` and ``e = exp(d)``, both
-    ``-inf`` / 0 on dead columns."""
+    columns (``valid`` and not ``-inf``), ``d = (z - m) * inv_temperature`` and
+    ``e = exp(d)``, both ``-inf`` / 0 on dead columns."""
     live = _live(z, valid)
     m = jnp.max(jnp.where(live, z, -jnp.inf), axis=-1, keepdims=True)
-    d = jnp.where(live, (z - m) * it, -jnp.inf)
+    d = jnp.where(live, (z - m) * inv_temperature, -jnp.inf)
     return m, d, jnp.exp(d), live
 
 
-def tile_stats(z, it, valid, hit, with_entropy: bool, terms=None) -> Stats:
-    """``Stats`` of one tile ``z [T, C]`` (``it [T, 1]``; ``valid`` bool broadcasting to the
-    tile or None: every column; ``hit`` bool ``[T, C]``: the label column, or None).
-    ``terms``: ``tile_exp(z, it, valid)`` when the caller has it already."""
-    m, d, e, live = tile_exp(z, it, valid) if terms is None else terms
+def tile_stats(z, inv_temperature, valid, hit, with_entropy: bool, terms=None) -> Stats:
+    """``Stats`` of one tile ``z [T, C]`` (``inv_temperature [T, 1]``; ``valid`` bool
+    broadcasting to the tile or None: every column; ``hit`` bool ``[T, C]``: the label
+    column, or None). ``terms``: ``tile_exp(z, inv_temperature, valid)`` when the caller has
+    it already."""
+    m, d, e, live = tile_exp(z, inv_temperature, valid) if terms is None else terms
     at_max = live & (z == m)
     ties = jnp.sum(at_max.astype(jnp.float32), axis=-1, keepdims=True)
     rest = jnp.sum(jnp.where(at_max, 0.0, e), axis=-1, keepdims=True)
@@ -136,12 +140,12 @@ def tile_stats(z, it, valid, hit, with_entropy: bool, terms=None) -> Stats:
     return Stats(m, rest + (ties - 1.0), t, zy)
 
 
-def _relative(m, r, t, big, it, with_entropy: bool):
+def _relative(m, r, t, big, inv_temperature, with_entropy: bool):
     """A part's contributions to ``s - 1`` and ``t`` of a union whose max is ``big``, and
     whether it holds that max (1.0 / 0.0). Parts at the max contribute ``r`` exactly; the
-    others ``a (1 + r)`` with ``a = exp((m - big) it)`` (0 for an empty part)."""
+    others ``a (1 + r)`` with ``a = exp((m - big) inv_temperature)`` (0 for an empty part)."""
     at = m == big
-    shift = jnp.where(at, 0.0, (m - big) * it)
+    shift = jnp.where(at, 0.0, (m - big) * inv_temperature)
     a = jnp.exp(shift)
     r_part = jnp.where(at, r, a * r + a)
     t_part = jnp.zeros_like(r)
@@ -150,15 +154,15 @@ def _relative(m, r, t, big, it, with_entropy: bool):
     return r_part, t_part, at.astype(jnp.float32)
 
 
-def merge(x: Stats, y: Stats, it, with_entropy: bool) -> Stats:
+def merge(x: Stats, y: Stats, inv_temperature, with_entropy: bool) -> Stats:
     """The statistics of the union of two disjoint column sets."""
     big = jnp.maximum(x.m, y.m)
-    rx, tx, nx = _relative(x.m, x.r, x.t, big, it, with_entropy)
-    ry, ty, ny = _relative(y.m, y.r, y.t, big, it, with_entropy)
+    rx, tx, nx = _relative(x.m, x.r, x.t, big, inv_temperature, with_entropy)
+    ry, ty, ny = _relative(y.m, y.r, y.t, big, inv_temperature, with_entropy)
     return Stats(big, (rx + ry) + (nx + ny - 1.0), tx + ty, x.zy + y.zy)
 
 
-def combine(parts: Stats, it, with_entropy: bool,
+def combine(parts: Stats, inv_temperature, with_entropy: bool,
             reduce_max: Callable[[jax.Array], jax.Array],
             reduce_sum: Callable[[jax.Array], jax.Array]) -> Stats:
     """The statistics of the union of many disjoint column sets whose ``parts`` are reduced
@@ -166,41 +170,44 @@ def combine(parts: Stats, it, with_entropy: bool,
     over a mesh axis (``lambda x: lax.pmax(x, axis)``, Megatron-LM's vocab-parallel
     cross-entropy, Shoeybi et al. 2019). Every part sees the same result."""
     big = reduce_max(parts.m)
-    r, t, n = _relative(parts.m, parts.r, parts.t, big, it, with_entropy)
+    r, t, n = _relative(parts.m, parts.r, parts.t, big, inv_temperature, with_entropy)
     return Stats(big, reduce_sum(r) + (reduce_sum(n) - 1.0), reduce_sum(t),
                  reduce_sum(parts.zy))
 
 
-def update(stats: Stats, z, it, valid, hit, with_entropy: bool) -> Stats:
+def update(stats: Stats, z, inv_temperature, valid, hit, with_entropy: bool) -> Stats:
     """Fold one tile into the running statistics (``tile_stats`` then ``merge``)."""
-    return merge(stats, tile_stats(z, it, valid, hit, with_entropy), it, with_entropy)
+    tile = tile_stats(z, inv_temperature, valid, hit, with_entropy)
+    return merge(stats, tile, inv_temperature, with_entropy)
 
 
-def finalize(stats: Stats, it, with_entropy: bool) -> Rows:
+def finalize(stats: Stats, inv_temperature, with_entropy: bool) -> Rows:
     """``Rows`` from the statistics of the whole vocabulary (or support)."""
     log_s = jnp.log1p(stats.r)
-    logp = (stats.zy - stats.m) * it - log_s
+    logp = (stats.zy - stats.m) * inv_temperature - log_s
     ent = log_s - stats.t / (stats.r + 1.0) if with_entropy else jnp.zeros_like(log_s)
     return Rows(logp, ent, stats.m, log_s)
 
 
-def dlogits(z, th, it, m, log_s, ent, g, e, valid, hit, with_entropy: bool) -> jax.Array:
+def dlogits(z, th, inv_temperature, m, log_s, ent, g, e, valid, hit,
+            with_entropy: bool) -> jax.Array:
     """float32 ``dL/du`` of one recomputed tile for ``L = sum g logp + sum e entropy``.
 
     ``dl_v = g (onehot_v - p_v) - e p_v (log p_v + entropy)``, then through the temperature
-    and the soft-cap (``th = tanh(u / c)`` or None): ``du = dl * it * (1 - th^2)``. Per-row
-    ``[T, 1]``: ``it``, ``m``, ``log_s``, ``ent`` (forward results), ``g``, ``e``. Exactly 0
-    on columns that are not ``valid``, on ``-inf`` logits (except the label's own ``g``
-    term), and on rows whose cotangents are both 0 (padding rows: whatever their logits,
-    e.g. ``0 * -inf`` of a zero row against a ``-inf`` weight, they add nothing to ``dw``).
+    and the soft-cap (``th = tanh(u / c)`` or None): ``du = dl * inv_temperature *
+    (1 - th^2)``. Per-row ``[T, 1]``: ``inv_temperature``, ``m``, ``log_s``, ``ent`` (forward
+    results), ``g``, ``e``. Exactly 0 on columns that are not ``valid``, on ``-inf`` logits
+    (except the label's own ``g`` term), and on rows whose cotangents are both 0 (padding
+    rows: whatever their logits, e.g. ``0 * -inf`` of a zero row against a ``-inf`` weight,
+    they add nothing to ``dw``).
     """
     live = _live(z, valid)
-    logp = jnp.where(live, (z - m) * it - log_s, -jnp.inf)
+    logp = jnp.where(live, (z - m) * inv_temperature - log_s, -jnp.inf)
     p = jnp.exp(logp)
     dl = g * (jnp.where(hit, 1.0, 0.0) - p)
     if with_entropy:
         dl = dl - e * jnp.where(p > 0, p * (logp + ent), 0.0)
-    du = dl * it
+    du = dl * inv_temperature
     if th is not None:
         du = du * (1.0 - th * th)
     read = (g != 0) | (e != 0)

@@ -237,7 +237,7 @@ def _tile_masks(j, shape, width: int, y, masked: bool):
     return (col < width if masked else None), col == y
 
 
-def _forward_kernel(h_ref, w_ref, y_ref, it_ref, *refs, plan: TpuPlan, vocab: int,
+def _forward_kernel(h_ref, w_ref, y_ref, temperature_ref, *refs, plan: TpuPlan, vocab: int,
                     n_vocab_tiles: int):
     spec = plan.spec
     ml_ref = refs[0] if spec.truncated else None
@@ -253,10 +253,11 @@ def _forward_kernel(h_ref, w_ref, y_ref, it_ref, *refs, plan: TpuPlan, vocab: in
     def step(masked: bool):
         z, _ = hm.logits(hm.matmul(h_ref[...], w_ref[...], (1, 0)), spec.softcap)
         valid, hit = _tile_masks(j, z.shape, vocab, y_ref[...], masked)
-        it = it_ref[...]
-        valid = hm.support(z, it, None if ml_ref is None else ml_ref[...], hit, valid)
-        stats = hm.update(hm.Stats(*(ref[...] for ref in scratch)), z, it, valid, hit,
-                          spec.with_entropy)
+        inv_temperature = 1.0 / temperature_ref[...]
+        valid = hm.support(z, inv_temperature, None if ml_ref is None else ml_ref[...], hit,
+                           valid)
+        stats = hm.update(hm.Stats(*(ref[...] for ref in scratch)), z, inv_temperature, valid,
+                          hit, spec.with_entropy)
         for ref, value in zip(scratch, stats, strict=True):
             ref[...] = value
 
@@ -264,21 +265,23 @@ def _forward_kernel(h_ref, w_ref, y_ref, it_ref, *refs, plan: TpuPlan, vocab: in
 
     @pl.when(j == n_vocab_tiles - 1)
     def _finish():
-        rows = hm.finalize(hm.Stats(*(ref[...] for ref in scratch)), it_ref[...],
+        inv_temperature = 1.0 / temperature_ref[...]
+        rows = hm.finalize(hm.Stats(*(ref[...] for ref in scratch)), inv_temperature,
                            spec.with_entropy)
         for ref, value in zip(out_refs, rows, strict=True):
             ref[...] = value
 
 
 def _du_tile(plan: TpuPlan, j, h, w, rows, vocab: int, masked: bool):
-    """float32 ``du [T, C]`` of vocab tile ``j``; ``rows``: ``(y, it, [min_logit,] m, log_s,
-    ent, g, e)`` ``[T, 1]`` each (``min_logit`` only in a truncated call)."""
-    y, it, *rest = rows
+    """float32 ``du [T, C]`` of vocab tile ``j``; ``rows``: ``(y, temperature, [min_logit,] m,
+    log_s, ent, g, e)`` ``[T, 1]`` each (``min_logit`` only in a truncated call)."""
+    y, temperature, *rest = rows
+    inv_temperature = 1.0 / temperature
     ml = rest.pop(0) if plan.spec.truncated else None
     z, th = hm.logits(hm.matmul(h, w, (1, 0)), plan.spec.softcap)
     valid, hit = _tile_masks(j, z.shape, vocab, y, masked)
-    valid = hm.support(z, it, ml, hit, valid)
-    return hm.dlogits(z, th, it, *rest, valid, hit, plan.spec.with_entropy)
+    valid = hm.support(z, inv_temperature, ml, hit, valid)
+    return hm.dlogits(z, th, inv_temperature, *rest, valid, hit, plan.spec.with_entropy)
 
 
 def _dh_kernel(h_ref, w_ref, *refs, plan: TpuPlan, vocab: int, n_vocab_tiles: int):
@@ -359,7 +362,7 @@ def _row_inputs(plan: TpuPlan, *rows):
     return tuple(x[:, None] for i, x in enumerate(rows) if i != 2 or plan.spec.truncated)
 
 
-def _forward(plan: TpuPlan, h, w, labels, inv_temp, min_logit) -> hm.Rows:
+def _forward(plan: TpuPlan, h, w, labels, temperature, min_logit) -> hm.Rows:
     (rows, hidden), vocab = h.shape, w.shape[1]
     t, c = plan.block_tokens, plan.block_vocab
     nt, nv = rows // t, pl.cdiv(vocab, c)
@@ -372,7 +375,7 @@ def _forward(plan: TpuPlan, h, w, labels, inv_temp, min_logit) -> hm.Rows:
         transcendentals=rows * vocab * (2 if plan.spec.softcap else 1),
         bytes_accessed=rows * hidden * b + nt * hidden * vocab * b + 24 * rows,
     )
-    rows = _row_inputs(plan, labels, inv_temp, min_logit)
+    rows = _row_inputs(plan, labels, temperature, min_logit)
     out = _call(
         kernel, plan, (nt, nv),
         [pl.BlockSpec((t, hidden), lambda i, j: (i, 0)),
@@ -384,9 +387,9 @@ def _forward(plan: TpuPlan, h, w, labels, inv_temp, min_logit) -> hm.Rows:
     return hm.Rows(*(x[:, 0] for x in out))
 
 
-def _backward(plan: TpuPlan, h, w, labels, inv_temp, min_logit, m, log_s, ent, g, e):
+def _backward(plan: TpuPlan, h, w, labels, temperature, min_logit, m, log_s, ent, g, e):
     """``(dh, dW)`` in the input dtype."""
-    rows = _row_inputs(plan, labels, inv_temp, min_logit, m, log_s, ent, g, e)
+    rows = _row_inputs(plan, labels, temperature, min_logit, m, log_s, ent, g, e)
     (n, hidden), vocab = h.shape, w.shape[1]
     t, c = plan.block_tokens, plan.block_vocab
     nt, nv = n // t, pl.cdiv(vocab, c)

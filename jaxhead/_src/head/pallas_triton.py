@@ -212,14 +212,14 @@ def _masks(cols, width: int, block_vocab: int, y):
     return valid, cols[None, :] == y
 
 
-def _forward_kernel(h_ref, w_ref, y_ref, it_ref, *refs, plan: TritonPlan, hidden: int,
-                    vocab: int, tiles_per_split: int):
+def _forward_kernel(h_ref, w_ref, y_ref, temperature_ref, *refs, plan: TritonPlan,
+                    hidden: int, vocab: int, tiles_per_split: int):
     blocks, spec = plan.blocks, plan.spec
     ml = refs[0][...][:, None] if spec.truncated else None
     out_refs = refs[1:] if spec.truncated else refs
     c = blocks.block_vocab
     y = y_ref[...][:, None]
-    it = it_ref[...][:, None]
+    inv_temperature = 1.0 / temperature_ref[...][:, None]
     first = pl.program_id(1) * tiles_per_split
     last = jnp.minimum(first + tiles_per_split, pl.cdiv(vocab, c))
 
@@ -227,8 +227,8 @@ def _forward_kernel(h_ref, w_ref, y_ref, it_ref, *refs, plan: TritonPlan, hidden
         u, cols = _logits_tile(h_ref, w_ref, j * c, hidden, vocab, blocks)
         z, _ = hm.logits(u, spec.softcap)
         valid, hit = _masks(cols, vocab, c, y)
-        valid = hm.support(z, it, ml, hit, valid)
-        return hm.update(hm.Stats(*stats), z, it, valid, hit, spec.with_entropy)
+        valid = hm.support(z, inv_temperature, ml, hit, valid)
+        return hm.update(hm.Stats(*stats), z, inv_temperature, valid, hit, spec.with_entropy)
 
     stats = lax.fori_loop(first, last, body, hm.init_stats((blocks.block_tokens, 1)))
     for ref, value in zip(out_refs, stats, strict=True):
@@ -240,13 +240,15 @@ def _du_kernel(h_ref, w_ref, y_ref, *refs, plan: TritonPlan, hidden: int, width:
     blocks = plan.blocks
     c = blocks.block_vocab
     y = y_ref[...][:, None]
-    it, *rest = (r[...][:, None] for r in row_refs)  # it, [min_logit], m, log_s, ent, g, e
+    # temperature, [min_logit], m, log_s, ent, g, e
+    temperature, *rest = (r[...][:, None] for r in row_refs)
+    inv_temperature = 1.0 / temperature
     ml = rest.pop(0) if plan.spec.truncated else None
     u, cols = _logits_tile(h_ref, w_ref, pl.program_id(1) * c, hidden, width, blocks)
     z, th = hm.logits(u, plan.spec.softcap)
     valid, hit = _masks(cols, width, c, y)
-    valid = hm.support(z, it, ml, hit, valid)
-    du = hm.dlogits(z, th, it, *rest, valid, hit, plan.spec.with_entropy)
+    valid = hm.support(z, inv_temperature, ml, hit, valid)
+    du = hm.dlogits(z, th, inv_temperature, *rest, valid, hit, plan.spec.with_entropy)
     du_ref[...] = du.astype(du_ref.dtype)
 
 
@@ -262,7 +264,7 @@ def _params(plan: TritonPlan):
     }
 
 
-def _forward(plan: TritonPlan, h, w, labels, inv_temp, min_logit) -> hm.Rows:
+def _forward(plan: TritonPlan, h, w, labels, temperature, min_logit) -> hm.Rows:
     (rows, hidden), vocab = h.shape, w.shape[1]
     blocks = plan.blocks
     t, splits = blocks.block_tokens, blocks.vocab_splits
@@ -273,7 +275,7 @@ def _forward(plan: TritonPlan, h, w, labels, inv_temp, min_logit) -> hm.Rows:
     )
     row_in = pl.BlockSpec((t,), lambda i, s: (i,))
     part = pl.BlockSpec((None, t), lambda i, s: (s, i))
-    per_row = (labels, inv_temp) + ((min_logit,) if plan.spec.truncated else ())
+    per_row = (labels, temperature) + ((min_logit,) if plan.spec.truncated else ())
     partials = pl.pallas_call(
         kernel,
         grid=(rows // t, splits),
@@ -287,15 +289,16 @@ def _forward(plan: TritonPlan, h, w, labels, inv_temp, min_logit) -> hm.Rows:
         **_params(plan),
     )(h, w, *per_row)
     with_entropy = plan.spec.with_entropy
-    stats = hm.combine(hm.Stats(*partials), inv_temp[None], with_entropy,
+    inv_temperature = 1.0 / temperature
+    stats = hm.combine(hm.Stats(*partials), inv_temperature[None], with_entropy,
                        lambda x: x.max(axis=0), lambda x: x.sum(axis=0))
-    return hm.finalize(stats, inv_temp, with_entropy)
+    return hm.finalize(stats, inv_temperature, with_entropy)
 
 
 def _du_chunk(plan: TritonPlan, h, w_c, rows):
     """``du [B, width]`` in the input dtype for the columns of ``w_c [H, width]``;
-    ``rows = (labels relative to the chunk, inv_temp, [min_logit,] m, log_s, entropy, g,
-    e)``, ``[B]`` each."""
+    ``rows = (labels relative to the chunk, temperature, [min_logit,] m, log_s, entropy,
+    g, e)``, ``[B]`` each."""
     (n, hidden), width = h.shape, w_c.shape[1]
     t, c = plan.blocks.block_tokens, plan.blocks.block_vocab
     nc = pl.cdiv(width, c)
@@ -315,12 +318,13 @@ def _du_chunk(plan: TritonPlan, h, w_c, rows):
     return du if nc * c == width else du[:, :width]
 
 
-def _backward(plan: TritonPlan, h, w, labels, inv_temp, min_logit, m, log_s, ent, g, e):
+def _backward(plan: TritonPlan, h, w, labels, temperature, min_logit, m, log_s, ent, g, e):
     """``(dh, dW)`` in the input dtype."""
     vocab = w.shape[1]
     chunk = plan.blocks.backward_vocab_chunk
     n_full, tail = divmod(vocab, chunk)
-    rows = (inv_temp,) + ((min_logit,) if plan.spec.truncated else ()) + (m, log_s, ent, g, e)
+    rows = ((temperature,) + ((min_logit,) if plan.spec.truncated else ())
+            + (m, log_s, ent, g, e))
 
     def step(carry, w_c, off):
         dh, dw = carry

@@ -46,8 +46,8 @@ def _probe(head, plan, padded: int, spec: HeadSpec, platform: str | None) -> str
             jax.ShapeDtypeStruct((spec.hidden_size, spec.local_vocab), dtype),
             jax.ShapeDtypeStruct((padded,), jnp.int32), vec, vec)
 
-    def loss(h, w, labels, inv_temp, min_logit):
-        logp, ent = head(plan, h, w, labels, inv_temp, min_logit)
+    def loss(h, w, labels, temperature, min_logit):
+        logp, ent = head(plan, h, w, labels, temperature, min_logit)
         return jnp.sum(logp) + jnp.sum(ent)
 
     with _one_device():

@@ -83,9 +83,9 @@ class _Plan:
     spec: HeadSpec
 
 
-def _rows_head(plan: _Plan, h, w, labels, inv_temp, min_logit):
+def _rows_head(plan: _Plan, h, w, labels, temperature, min_logit):
     """Full float32 logits of the compacted rows, plain autodiff."""
-    out = reference_token_logprobs(h, w, labels, temperature=1.0 / inv_temp,
+    out = reference_token_logprobs(h, w, labels, temperature=temperature,
                                    softcap=plan.spec.softcap, with_entropy=plan.spec.with_entropy,
                                    min_logit=min_logit if plan.spec.truncated else None)
     ent = out.entropy if out.entropy is not None else jnp.zeros_like(out.logprobs)

@@ -218,12 +218,12 @@ def sharded_token_logprobs(
     args = [hidden, weight, labels, *per_row] + ([] if keep is None else [keep])
     specs = [tok, P(None, vocab_axis), tok, tok, tok] + ([] if keep is None else [tok])
 
-    def body(h, w, y, inv_temp, min_logit, k=None):
+    def body(h, w, y, temperature, min_logit, k=None):
         w = jax.lax.pcast(w, token_axes, to="varying") if token_axes else w
         n = math.prod(y.shape)
         logp, ent = api.run_compacted(
             head, made, padded, h.reshape(n, h.shape[-1]), w, y.reshape(n).astype(jnp.int32),
-            inv_temp.reshape(n), min_logit.reshape(n), None if k is None else k.reshape(n),
+            temperature.reshape(n), min_logit.reshape(n), None if k is None else k.reshape(n),
         )
         return logp.reshape(y.shape), ent.reshape(y.shape)
 

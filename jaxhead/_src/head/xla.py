@@ -115,20 +115,21 @@ def _min_logit(plan: XlaPlan, ml_t):
     return ml_t[:, None] if plan.spec.truncated else None
 
 
-def _chunk_stats(plan: XlaPlan, h_t, w, y_t, it_t, ml_t) -> hm.Stats:
+def _chunk_stats(plan: XlaPlan, h_t, w, y_t, temperature_t, ml_t) -> hm.Stats:
     """``Stats`` ``[T, 1]`` of the rows ``h_t`` over the columns of ``w``."""
     spec = plan.spec
-    y, it, ml = y_t[:, None], it_t[:, None], _min_logit(plan, ml_t)
+    inv_temperature = 1.0 / temperature_t[:, None]
+    y, ml = y_t[:, None], _min_logit(plan, ml_t)
 
     def step(stats, w_c, off):
         z, _ = hm.logits(hm.matmul(h_t, w_c, (1, 0)), spec.softcap)
         hit = (lax.broadcasted_iota(jnp.int32, z.shape, 1) + off) == y
-        valid = hm.support(z, it, ml, hit)
-        return hm.update(stats, z, it, valid, hit, spec.with_entropy)
+        valid = hm.support(z, inv_temperature, ml, hit)
+        return hm.update(stats, z, inv_temperature, valid, hit, spec.with_entropy)
 
     init = hm.init_stats((h_t.shape[0], 1))
     return sc.scan_vocab(plan.tuning, plan.vocab_chunk, step, init, w,
-                         vary=(h_t, y_t, it_t, ml_t))
+                         vary=(h_t, y_t, temperature_t, ml_t))
 
 
 def _local_labels(plan: XlaPlan, labels, w):
@@ -138,7 +139,7 @@ def _local_labels(plan: XlaPlan, labels, w):
     return labels - lax.axis_index(plan.spec.vocab_axis) * w.shape[1]
 
 
-def _forward(plan: XlaPlan, h, w, labels, inv_temp, min_logit) -> hm.Rows:
+def _forward(plan: XlaPlan, h, w, labels, temperature, min_logit) -> hm.Rows:
     tc, tuning = plan.token_chunk, plan.tuning
     dtype = tuning.tile_dtype(h.dtype)
 
@@ -148,28 +149,31 @@ def _forward(plan: XlaPlan, h, w, labels, inv_temp, min_logit) -> hm.Rows:
 
     steps = jnp.arange(h.shape[0] // tc)
     local = _local_labels(plan, labels, w)
-    xs = (steps, *sc.chunks(tc, local, inv_temp, min_logit))
+    xs = (steps, *sc.chunks(tc, local, temperature, min_logit))
     _, stats = sc.scan(tuning, body, None, xs, (h, w))
     stats = hm.Stats(*(s.reshape(labels.shape) for s in stats))
+    inv_temperature = 1.0 / temperature
     axis = plan.spec.vocab_axis
     if axis is not None:
-        stats = hm.combine(stats, inv_temp, plan.spec.with_entropy,
+        stats = hm.combine(stats, inv_temperature, plan.spec.with_entropy,
                            lambda x: lax.pmax(x, axis), lambda x: lax.psum(x, axis))
-    return hm.finalize(stats, inv_temp, plan.spec.with_entropy)
+    return hm.finalize(stats, inv_temperature, plan.spec.with_entropy)
 
 
 # ----------------------------------------------------------------------------- backward
 
 
-def _du_tile(plan: XlaPlan, h_t, w_c, off, y_t, it_t, ml_t, m_t, ls_t, ent_t, g_t, e_t):
+def _du_tile(plan: XlaPlan, h_t, w_c, off, y_t, temperature_t, ml_t, m_t, ls_t, ent_t, g_t,
+             e_t):
     """``dL/du`` of one ``[T, C]`` tile, in the tile dtype, ready for the two matmuls."""
     spec = plan.spec
+    inv_temperature = 1.0 / temperature_t[:, None]
     z, th = hm.logits(hm.matmul(h_t, w_c, (1, 0)), spec.softcap)
     hit = (lax.broadcasted_iota(jnp.int32, z.shape, 1) + off) == y_t[:, None]
-    it = it_t[:, None]
-    valid = hm.support(z, it, _min_logit(plan, ml_t), hit)
+    valid = hm.support(z, inv_temperature, _min_logit(plan, ml_t), hit)
     per_row = (m_t, ls_t, ent_t, g_t, e_t)
-    du = hm.dlogits(z, th, it, *(x[:, None] for x in per_row), valid, hit, spec.with_entropy)
+    du = hm.dlogits(z, th, inv_temperature, *(x[:, None] for x in per_row), valid, hit,
+                    spec.with_entropy)
     return du.astype(h_t.dtype)
 
 
@@ -228,9 +232,9 @@ def _backward_two_pass(plan: XlaPlan, xs, h, w, dh_dtype):
     return dh, out.finish(dw)
 
 
-def _backward(plan: XlaPlan, h, w, labels, inv_temp, min_logit, m, log_s, ent, g, e):
+def _backward(plan: XlaPlan, h, w, labels, temperature, min_logit, m, log_s, ent, g, e):
     """``(dh, dw)`` of ``sum(g * logp) + sum(e * entropy)`` by recomputing each tile."""
-    per_row = (_local_labels(plan, labels, w), inv_temp, min_logit, m, log_s, ent, g, e)
+    per_row = (_local_labels(plan, labels, w), temperature, min_logit, m, log_s, ent, g, e)
     xs = (jnp.arange(h.shape[0] // plan.token_chunk), *sc.chunks(plan.token_chunk, *per_row))
     run = _backward_fused if plan.fused_backward else _backward_two_pass
     axis = plan.spec.vocab_axis
