@@ -4,9 +4,9 @@ scaffold the chunked implementations are built on (``differentiable``).
 
 An implementation works on *compacted* rows: ``h [B, H]`` (padding rows zero),
 ``w [H, V_local]``, ``labels`` int32 ``[B]``, ``temperature`` float32 ``[B]`` (> 0; 1.0 on
-padding rows; each kernel or scan body forms ``1 / temperature`` itself), ``min_logit``
-float32 ``[B]`` (read only when ``spec.truncated``); ``B`` is the padded row count its
-``plan`` returned. It returns float32 ``(logp, entropy)`` ``[B]``,
+padding rows; the implementation forms the tile math's ``1 / temperature`` itself),
+``min_logit`` float32 ``[B]`` (read only when ``spec.truncated``); ``B`` is the padded row
+count its ``plan`` returned. It returns float32 ``(logp, entropy)`` ``[B]``,
 differentiable with respect to ``h`` and ``w``.
 """
 

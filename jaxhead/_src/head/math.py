@@ -9,8 +9,9 @@ that broadcasts against the tile: the combine and finalise steps are elementwise
 A row's logits are ``l = z * inv_temperature`` with ``z = u`` or, with a soft-cap ``c``,
 ``z = c tanh(u/c)`` (Gemma 2), ``u = h . w`` accumulated in float32 and
 ``inv_temperature = 1 / temperature``, the float32 ``[T, 1]`` multiplier every function here
-takes (each kernel or scan body forms it from the row's temperature). The online statistics
-of the columns seen so far (docs/design.md, step 3) are kept as::
+takes (each implementation forms it from the rows' temperatures with one XLA division: in
+its scan bodies, or before a Pallas call). The online statistics of the columns seen so far
+(docs/design.md, step 3) are kept as::
 
     m   = max_v z_v                                (pre-temperature; -inf before any column)
     r   = s - 1,  s = sum_v exp(d_v)               (-1 before any column)

@@ -237,8 +237,8 @@ def _tile_masks(j, shape, width: int, y, masked: bool):
     return (col < width if masked else None), col == y
 
 
-def _forward_kernel(h_ref, w_ref, y_ref, temperature_ref, *refs, plan: TpuPlan, vocab: int,
-                    n_vocab_tiles: int):
+def _forward_kernel(h_ref, w_ref, y_ref, inv_temperature_ref, *refs, plan: TpuPlan,
+                    vocab: int, n_vocab_tiles: int):
     spec = plan.spec
     ml_ref = refs[0] if spec.truncated else None
     *out_refs, m_sc, r_sc, t_sc, zy_sc = refs[1:] if spec.truncated else refs
@@ -253,7 +253,7 @@ def _forward_kernel(h_ref, w_ref, y_ref, temperature_ref, *refs, plan: TpuPlan, 
     def step(masked: bool):
         z, _ = hm.logits(hm.matmul(h_ref[...], w_ref[...], (1, 0)), spec.softcap)
         valid, hit = _tile_masks(j, z.shape, vocab, y_ref[...], masked)
-        inv_temperature = 1.0 / temperature_ref[...]
+        inv_temperature = inv_temperature_ref[...]
         valid = hm.support(z, inv_temperature, None if ml_ref is None else ml_ref[...], hit,
                            valid)
         stats = hm.update(hm.Stats(*(ref[...] for ref in scratch)), z, inv_temperature, valid,
@@ -265,18 +265,17 @@ def _forward_kernel(h_ref, w_ref, y_ref, temperature_ref, *refs, plan: TpuPlan, 
 
     @pl.when(j == n_vocab_tiles - 1)
     def _finish():
-        inv_temperature = 1.0 / temperature_ref[...]
-        rows = hm.finalize(hm.Stats(*(ref[...] for ref in scratch)), inv_temperature,
+        rows = hm.finalize(hm.Stats(*(ref[...] for ref in scratch)), inv_temperature_ref[...],
                            spec.with_entropy)
         for ref, value in zip(out_refs, rows, strict=True):
             ref[...] = value
 
 
 def _du_tile(plan: TpuPlan, j, h, w, rows, vocab: int, masked: bool):
-    """float32 ``du [T, C]`` of vocab tile ``j``; ``rows``: ``(y, temperature, [min_logit,] m,
-    log_s, ent, g, e)`` ``[T, 1]`` each (``min_logit`` only in a truncated call)."""
-    y, temperature, *rest = rows
-    inv_temperature = 1.0 / temperature
+    """float32 ``du [T, C]`` of vocab tile ``j``; ``rows``: ``(y, inv_temperature,
+    [min_logit,] m, log_s, ent, g, e)`` ``[T, 1]`` each (``min_logit`` only in a truncated
+    call)."""
+    y, inv_temperature, *rest = rows
     ml = rest.pop(0) if plan.spec.truncated else None
     z, th = hm.logits(hm.matmul(h, w, (1, 0)), plan.spec.softcap)
     valid, hit = _tile_masks(j, z.shape, vocab, y, masked)
@@ -357,9 +356,13 @@ def _call(kernel, plan: TpuPlan, grid, in_specs, out_specs, out_shape, scratch, 
     )
 
 
-def _row_inputs(plan: TpuPlan, *rows):
-    """The per-row kernel inputs ``[B, 1]``, ``min_logit`` (the third) only when truncated."""
-    return tuple(x[:, None] for i, x in enumerate(rows) if i != 2 or plan.spec.truncated)
+def _row_inputs(plan: TpuPlan, labels, temperature, min_logit, *rest):
+    """The per-row kernel inputs ``[B, 1]``: ``labels``, ``1 / temperature`` (formed here, by
+    XLA as in every other implementation, so that the multiplier is the same float32 value:
+    Mosaic's division need not round as XLA's does), ``min_logit`` only when truncated, then
+    ``rest``."""
+    ml = (min_logit,) if plan.spec.truncated else ()
+    return tuple(x[:, None] for x in (labels, 1.0 / temperature, *ml, *rest))
 
 
 def _forward(plan: TpuPlan, h, w, labels, temperature, min_logit) -> hm.Rows:

@@ -212,14 +212,14 @@ def _masks(cols, width: int, block_vocab: int, y):
     return valid, cols[None, :] == y
 
 
-def _forward_kernel(h_ref, w_ref, y_ref, temperature_ref, *refs, plan: TritonPlan,
+def _forward_kernel(h_ref, w_ref, y_ref, inv_temperature_ref, *refs, plan: TritonPlan,
                     hidden: int, vocab: int, tiles_per_split: int):
     blocks, spec = plan.blocks, plan.spec
     ml = refs[0][...][:, None] if spec.truncated else None
     out_refs = refs[1:] if spec.truncated else refs
     c = blocks.block_vocab
     y = y_ref[...][:, None]
-    inv_temperature = 1.0 / temperature_ref[...][:, None]
+    inv_temperature = inv_temperature_ref[...][:, None]
     first = pl.program_id(1) * tiles_per_split
     last = jnp.minimum(first + tiles_per_split, pl.cdiv(vocab, c))
 
@@ -240,9 +240,8 @@ def _du_kernel(h_ref, w_ref, y_ref, *refs, plan: TritonPlan, hidden: int, width:
     blocks = plan.blocks
     c = blocks.block_vocab
     y = y_ref[...][:, None]
-    # temperature, [min_logit], m, log_s, ent, g, e
-    temperature, *rest = (r[...][:, None] for r in row_refs)
-    inv_temperature = 1.0 / temperature
+    # inv_temperature, [min_logit], m, log_s, ent, g, e
+    inv_temperature, *rest = (r[...][:, None] for r in row_refs)
     ml = rest.pop(0) if plan.spec.truncated else None
     u, cols = _logits_tile(h_ref, w_ref, pl.program_id(1) * c, hidden, width, blocks)
     z, th = hm.logits(u, plan.spec.softcap)
@@ -275,7 +274,10 @@ def _forward(plan: TritonPlan, h, w, labels, temperature, min_logit) -> hm.Rows:
     )
     row_in = pl.BlockSpec((t,), lambda i, s: (i,))
     part = pl.BlockSpec((None, t), lambda i, s: (s, i))
-    per_row = (labels, temperature) + ((min_logit,) if plan.spec.truncated else ())
+    # formed by XLA, correctly rounded as in every other implementation (a float32 division
+    # inside a Triton kernel is div.full.f32, off by up to 2 ulp)
+    inv_temperature = 1.0 / temperature
+    per_row = (labels, inv_temperature) + ((min_logit,) if plan.spec.truncated else ())
     partials = pl.pallas_call(
         kernel,
         grid=(rows // t, splits),
@@ -289,7 +291,6 @@ def _forward(plan: TritonPlan, h, w, labels, temperature, min_logit) -> hm.Rows:
         **_params(plan),
     )(h, w, *per_row)
     with_entropy = plan.spec.with_entropy
-    inv_temperature = 1.0 / temperature
     stats = hm.combine(hm.Stats(*partials), inv_temperature[None], with_entropy,
                        lambda x: x.max(axis=0), lambda x: x.sum(axis=0))
     return hm.finalize(stats, inv_temperature, with_entropy)
@@ -297,8 +298,8 @@ def _forward(plan: TritonPlan, h, w, labels, temperature, min_logit) -> hm.Rows:
 
 def _du_chunk(plan: TritonPlan, h, w_c, rows):
     """``du [B, width]`` in the input dtype for the columns of ``w_c [H, width]``;
-    ``rows = (labels relative to the chunk, temperature, [min_logit,] m, log_s, entropy,
-    g, e)``, ``[B]`` each."""
+    ``rows = (labels relative to the chunk, inv_temperature, [min_logit,] m, log_s,
+    entropy, g, e)``, ``[B]`` each."""
     (n, hidden), width = h.shape, w_c.shape[1]
     t, c = plan.blocks.block_tokens, plan.blocks.block_vocab
     nc = pl.cdiv(width, c)
@@ -323,7 +324,8 @@ def _backward(plan: TritonPlan, h, w, labels, temperature, min_logit, m, log_s, 
     vocab = w.shape[1]
     chunk = plan.blocks.backward_vocab_chunk
     n_full, tail = divmod(vocab, chunk)
-    rows = ((temperature,) + ((min_logit,) if plan.spec.truncated else ())
+    inv_temperature = 1.0 / temperature  # by XLA, as in _forward
+    rows = ((inv_temperature,) + ((min_logit,) if plan.spec.truncated else ())
             + (m, log_s, ent, g, e))
 
     def step(carry, w_c, off):
