@@ -58,12 +58,15 @@ def logical_partition_specs(model: nnx.Module) -> nnx.State:
 
 
 #: Logical axis -> mesh axis (or None: replicated), for the ``models.mesh`` axes:
-#: experts over ``expert``; the hidden ("embed") dimension over ``fsdp`` (ZeRO-3);
+#: experts over ``expert``; the hidden ("embed") dimension over ``fsdp`` and ``context``
+#: (ZeRO-3: the context devices hold a share of every weight too, as MaxText shards its
+#: parameters over its sequence axes; without it each of them would hold the whole fsdp
+#: shard and its Adam moments);
 #: heads, MLP width and vocabulary over ``tensor`` (Megatron); ``head_dim`` and the stacked
 #: layer axis of ``ModelConfig.scan_layers`` (``"layers"``) replicated.
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("expert", "expert"),
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "context")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
@@ -152,7 +155,9 @@ def logical_to_mesh(names, mesh, rules=DEFAULT_RULES, shape=None, what="array") 
     """The ``PartitionSpec`` of an array whose dimensions have logical ``names``.
 
     Each name maps to the mesh axes ``rules`` give it; axes the mesh lacks, and axes an
-    earlier dimension already uses, are dropped; names without a rule are replicated.
+    earlier dimension already uses, are dropped, and of several axes those of size 1
+    (``("fsdp", "context")`` on a mesh without context parallelism is ``"fsdp"``); names
+    without a rule are replicated.
 
     The one exception to divisibility is ``"kv_heads"`` (``NARROW_AXES``): K KV heads on
     more devices than K (tensor parallelism wider than the KV heads, e.g. Qwen3-30B-A3B's 4
@@ -179,6 +184,8 @@ def logical_to_mesh(names, mesh, rules=DEFAULT_RULES, shape=None, what="array") 
         axes = table.get(name)
         axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
         axes = tuple(a for a in axes if a in sizes and a not in used)
+        if len(axes) > 1:  # of several axes, those of size 1 say nothing
+            axes = tuple(a for a in axes if sizes[a] > 1) or axes[:1]
         devices = math.prod(sizes[a] for a in axes)
         if shape is not None and shape[dim] % devices:
             if name in NARROW_AXES and devices % shape[dim] == 0:

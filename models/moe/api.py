@@ -221,8 +221,13 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
         )
 
     tok = P(token_axes or None)
+    # weights split over an axis the tokens are not (context while decoding: the context
+    # devices repeat the rows' work) are gathered whole there, so the outputs are the same
+    # on each of its devices; JAX's type check cannot see through the gather
+    replicated = bool(set(_axes(gate_spec[1])) - set(token_axes))
     run = jax.shard_map(
         jax.checkpoint(body), mesh=mesh,
         in_specs=(tok, tok, tok, tok, gate_spec, gate_spec, down_spec), out_specs=(tok, tok),
+        check_vma=not replicated,
     )
     return run(x, experts, weights, token_mask, gate, up, down)

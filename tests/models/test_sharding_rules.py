@@ -19,6 +19,11 @@ def test_default_rules():
     assert logical_to_mesh(("expert", "embed", "mlp"), mesh) == P("expert", "fsdp", "tensor")
     assert logical_to_mesh(("embed", "heads", "head_dim"), mesh) == P("fsdp", "tensor", None)
     assert logical_to_mesh(("vocab", "embed"), mesh) == P("tensor", "fsdp")
+    # the hidden dimension over fsdp and context: ZeRO-3 over the context devices too
+    ctx = abstract_mesh(fsdp=2, expert=2, context=2)
+    assert logical_to_mesh(("expert", "embed", "mlp"), ctx) == P("expert", ("fsdp", "context"),
+                                                                 "tensor")
+    assert logical_to_mesh(("embed",), abstract_mesh(context=4)) == P("context")
     rules = (("embed", "fsdp"), ("mlp", ("fsdp", "tensor")), ("vocab", "model"))
     # an axis used by an earlier dimension is dropped; an axis the mesh lacks too
     assert logical_to_mesh(("embed", "mlp", "vocab"), mesh, rules) == P("fsdp", "tensor", None)
