@@ -55,9 +55,10 @@ def test_one_row_with_large_logits(impl, c):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("temperature", [0.03, 0.015625, 0.01])
+@pytest.mark.parametrize("temperature", [0.015625, 0.01])
 def test_low_temperature(impl, temperature):
-    """Temperatures down to 0.01 multiply the logits by up to 100. With ``T = 2^-6`` every
+    """Temperatures down to 0.01 multiply the logits by up to 100 (0.01: the rounding of
+    the tempered logits is the floor; ``T = 2^-6``: none). With ``T = 2^-6`` every
     tempered logit is exact, and the log-probs are within one float32 ulp of their value
     (2e-6 up to |logp| = 16, 6e-5 at -700) and the gradients within 1e-5."""
     hidden, weight, labels = head_inputs(3, 48, 32, 400, exact_dot=True)

@@ -86,13 +86,14 @@ def test_draws_follow_the_truncated_softmax_chi_square(truncation):
 
 
 def test_a_peaked_row_only_ever_draws_its_certain_token():
-    """The reported case: token 0 has probability 1 - 1.5e-39; over 20,000 draws (10 keys x
-    2,000 rows) of the chunked sampler every draw is token 0 with log-prob 0 (a hash noise
-    rounding to 1.0 drew tokens of log-prob -100). The truncated paths get the same check
-    on fewer draws (their bisection costs 32 passes over the row)."""
+    """The reported case: token 0 has probability 1 - 1.5e-39; over 4,000 draws (2 keys x
+    2,000 rows, 6e8 noise values) of the chunked sampler every draw is token 0 with
+    log-prob 0 (a hash noise rounding to 1.0 drew tokens of log-prob -100). The truncated
+    paths get the same check on fewer draws (their bisection costs 32 passes over the
+    row)."""
     vocab = 151936
     weight = jnp.zeros((1, vocab), jnp.float32).at[0, 0].set(100.0)
-    for k, rows, kw in [(k, 2000, {}) for k in range(10)] + [(10, 200, {"top_p": 0.9})]:
+    for k, rows, kw in [(k, 2000, {}) for k in range(2)] + [(10, 200, {"top_p": 0.9})]:
         out = _sample(jnp.ones((rows, 1)), weight, jax.random.key(k), temperature=1.0, **kw)
         assert np.all(np.asarray(out.tokens) == 0), np.unique(np.asarray(out.tokens))
         assert np.all(np.asarray(out.logprobs) == 0.0)
@@ -101,7 +102,7 @@ def test_a_peaked_row_only_ever_draws_its_certain_token():
 @pytest.mark.parametrize("truncation", TRUNCATIONS, ids=str)
 def test_never_a_token_of_probability_zero(truncation):
     """Rows with ``-inf`` logits and logits 100 nats below the max (float64 probability
-    < 1e-30): over 10^6 draws at T = 1 and T = 0.3 none is drawn."""
+    < 1e-30): over 5 x 10^5 draws at T = 1 and T = 0.3 none is drawn."""
     vocab = 64
     rng = np.random.default_rng(0)
     w = rng.normal(0.0, 1.0, (1, vocab))
@@ -113,11 +114,10 @@ def test_never_a_token_of_probability_zero(truncation):
     for t in (1.0, 0.3):
         p = np.exp((z - z.max()) / t)
         impossible = p / p.sum() < 1e-30
-        for k in range(2):
-            out = _sample(hidden, weight, jax.random.key(k), temperature=t, vocab_chunk=16,
-                          **truncation)
-            assert not impossible[np.asarray(out.tokens)].any()
-            assert np.all(np.isfinite(np.asarray(out.logprobs)))
+        out = _sample(hidden, weight, jax.random.key(0), temperature=t, vocab_chunk=16,
+                      **truncation)
+        assert not impossible[np.asarray(out.tokens)].any()
+        assert np.all(np.isfinite(np.asarray(out.logprobs)))
 
 
 def test_the_noise_is_finite_over_its_whole_range():
