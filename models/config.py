@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from models.attention.api import REGISTRY as ATTENTION
 from models.moe.api import REGISTRY as EXPERT_DISPATCH
-from models.moe.api import check_capacity_factor, check_overflow
+from models.moe.api import check_capacity_factor, check_overflow, check_token_chunk
 from models.scan import REMAT_POLICIES
 from models.sharding import DEFAULT_RULES, normalize_rules
 
@@ -70,6 +70,16 @@ class ModelConfig:
     Padding (segment id 0) is never dispatched and takes no capacity. See
     ``models.moe.api``.
 
+    MoE memory: ``moe_token_chunk`` is None (a device's tokens go through the experts at
+    once, in all-to-all rounds only as small as ``models.moe.api.MAX_DISPATCH_ROWS``
+    needs) or ``n > 0``: the experts take at most ``n`` of a device's tokens at a time,
+    one chunk after another (``jax.lax.map``), each chunk's dispatch, experts and combine
+    rematerialised in the backward, so their buffers do not grow with the sequence (on
+    one device and under a mesh). A token count that is no multiple of the chunk is
+    padded up to one with padding tokens (not dispatched, no effect). Same outputs and
+    gradients (the router and its statistics are not chunked), except that with
+    ``expert_capacity_factor`` the capacity is per chunk, so drops may differ.
+
     Head: ``final_logit_softcapping`` (Gemma 2 style ``c * tanh(z / c)`` on the logits,
     forwarded to jaxhead) or None.
 
@@ -87,7 +97,8 @@ class ModelConfig:
     Raises:
       ValueError: inconsistent sizes (heads not divisible, odd head_dim, top-k larger than
         the number of experts, non-positive sizes, an unknown dtype, remat policy or
-        expert dispatch or capacity overflow, an expert capacity factor <= 0,
+        expert dispatch or capacity overflow, an expert capacity factor <= 0, a
+        ``moe_token_chunk`` that is no int > 0,
         ``scan_layers`` over mixed dense / MoE layers, ...).
     """
 
@@ -117,6 +128,7 @@ class ModelConfig:
     expert_dispatch: str = "auto"
     expert_capacity_factor: float | None = None
     expert_capacity_overflow: str = "drop"
+    moe_token_chunk: int | None = None
     sharding_rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = DEFAULT_RULES
     dtype: jnp.dtype | str = "bfloat16"
     param_dtype: jnp.dtype | str = "float32"
@@ -158,6 +170,7 @@ class ModelConfig:
         EXPERT_DISPATCH.check_name(self.expert_dispatch)
         check_capacity_factor(self.expert_capacity_factor)
         check_overflow(self.expert_capacity_overflow)
+        check_token_chunk(self.moe_token_chunk)
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy must be one of {tuple(REMAT_POLICIES)}, got "
                              f"{self.remat_policy!r}")

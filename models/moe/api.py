@@ -19,10 +19,12 @@ Both give what the single-device ``models.moe.reference.dropless_experts`` gives
 the ragged path's capacity drops). The body is rematerialised in the backward pass
 (``jax.checkpoint``), so the dispatch buffers live for one layer at a time, never for the
 whole network: the backward repeats the dispatch (3 more all-to-alls per layer on the
-dense path). And a device's tokens go through the all-to-all in equal rounds
-(``lax.map``) of at most ``MAX_DISPATCH_ROWS`` receive rows (``tokens_per_dispatch``):
-the buffers are bounded whatever T (for the example of ``dense.py``: 4 rounds of 512
-tokens, 2 x 128 MiB), at the price of more, smaller all-to-alls.
+dense path). And a device's tokens go through the all-to-all in equal rounds, one after
+another and each rematerialised on its own (``models.moe.experts.token_chunks``), of at
+most ``MAX_DISPATCH_ROWS`` receive rows (``tokens_per_dispatch``) and at most
+``token_chunk`` tokens (``ModelConfig.moe_token_chunk``): the dispatch buffers and the
+expert activations are those of one round whatever T (for the example of ``dense.py``: 4
+rounds of 512 tokens, 2 x 128 MiB), at the price of more, smaller all-to-alls.
 
 Other axes: the tokens are split over ``BATCH_AXES`` (``data, fsdp, expert``). Expert
 weights split on their hidden dimension over ``fsdp`` are all-gathered over ``fsdp``
@@ -44,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from jaxhead.dispatch import Entry, Registry, target_platform
 from models.mesh import BATCH_AXES, axis_size, check_divisible, present
 from models.moe.dense import dense_round
+from models.moe.experts import token_chunks
 from models.moe.ragged import NATIVE, ragged_round, receive_rows
 from models.sharding import DEFAULT_RULES, logical_to_mesh
 
@@ -67,6 +70,17 @@ def check_capacity_factor(factor: float | None) -> None:
     """
     if factor is not None and not (math.isfinite(factor) and factor > 0):
         raise ValueError(f"expert_capacity_factor must be None or > 0, got {factor!r}")
+
+
+def check_token_chunk(chunk: int | None) -> None:
+    """Raise unless ``chunk`` (``ModelConfig.moe_token_chunk``) is None or an int > 0.
+
+    Raises:
+      ValueError: naming ``chunk``.
+    """
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                              or chunk <= 0):
+        raise ValueError(f"moe_token_chunk must be None or an int > 0, got {chunk!r}")
 
 
 def check_overflow(overflow: str) -> None:
@@ -116,32 +130,27 @@ def tokens_per_dispatch(tokens: int, devices: int, top_k: int, local_experts: in
 
 
 def _shard_body(x, experts, weights, token_mask, gate, up, down, *, expert_axis, num,
-                gather_axes, sum_axes, max_rows, ragged, native, capacity_factor, overflow):
-    """Per-device expert-parallel MoE: the token rounds (``lax.map``) of
-    ``models.moe.dense.dense_round``, or of ``models.moe.ragged.ragged_round`` when
-    ``ragged``; ``(y, dropped)``."""
+                gather_axes, sum_axes, max_rows, token_chunk, ragged, native, capacity_factor,
+                overflow):
+    """Per-device expert-parallel MoE: the token rounds (``models.moe.experts.token_chunks``)
+    of ``models.moe.dense.dense_round``, or of ``models.moe.ragged.ragged_round`` when
+    ``ragged``; ``(y, dropped)``. A round has at most ``token_chunk`` tokens (None: all of
+    them), and as many fewer as keep its receive buffer within ``max_rows``."""
     if gather_axes:  # this device's experts only, whole on their hidden dimension
         gate, up = (jax.lax.all_gather(w, gather_axes, axis=1, tiled=True) for w in (gate, up))
         down = jax.lax.all_gather(down, gather_axes, axis=2, tiled=True)
     tokens, top_k = experts.shape
     factor = capacity_factor if ragged else None
-    step = tokens_per_dispatch(tokens, num, top_k, gate.shape[0], max_rows, factor)
+    chunk = tokens if token_chunk is None else min(token_chunk, tokens)
+    step = tokens_per_dispatch(chunk, num, top_k, gate.shape[0], max_rows, factor)
     kw = {"expert_axis": expert_axis, "num": num, "partial": bool(sum_axes)}
     if ragged:
         kw.update(capacity_factor=capacity_factor, overflow=overflow, native=native)
 
-    @jax.checkpoint  # the backward recomputes one round at a time, never all at once
-    def one(args):
+    def one(*args):
         return (ragged_round if ragged else dense_round)(*args, gate, up, down, **kw)
 
-    args = (x, experts, weights, token_mask)
-    if step == tokens:
-        y, dropped = one(args)
-    else:
-        rounds = tokens // step
-        split = (a.reshape(rounds, step, *a.shape[1:]) for a in args)
-        y, dropped = jax.lax.map(one, tuple(split))
-        y, dropped = y.reshape(tokens, -1), dropped.reshape(tokens, top_k)
+    y, dropped = token_chunks(one, step, x, experts, weights, token_mask)
     if sum_axes:
         y = jax.lax.psum(y, sum_axes)
     return y.astype(x.dtype), dropped
@@ -149,7 +158,8 @@ def _shard_body(x, experts, weights, token_mask, gate, up, down, *, expert_axis,
 
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array,
                    up: jax.Array, down: jax.Array, *, mesh, rules=DEFAULT_RULES,
-                   max_rows: int = MAX_DISPATCH_ROWS, dispatch: str = "auto",
+                   max_rows: int = MAX_DISPATCH_ROWS, token_chunk: int | None = None,
+                   dispatch: str = "auto",
                    capacity_factor: float | None = None, overflow: str = "drop",
                    token_mask: jax.Array | None = None,
                    token_axes: tuple[str, ...] | None = None) -> tuple[jax.Array, jax.Array]:
@@ -167,6 +177,12 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
         experts over ``expert``).
       max_rows: receive-buffer rows per all-to-all round (``tokens_per_dispatch``): the
         device's tokens go in as few equal rounds as keep within it.
+      token_chunk: at most this many of a device's tokens per round
+        (``ModelConfig.moe_token_chunk``; None: no bound but ``max_rows``). A device's
+        token count that is no multiple of its round is padded up to one with padding
+        tokens (the ``token_mask``), which change nothing. The capacity (a
+        ``capacity_factor``) is per round, so the round size changes which pairs are
+        dropped; the dropless paths give the same result whatever it is.
       dispatch: ``"dense"`` (the worst-case blocks of ``models.moe.dense``), ``"ragged"``
         (``models.moe.ragged``: ``jax.lax.ragged_all_to_all`` on TPU / GPU, its
         emulation elsewhere), or ``"auto"`` (ragged where the mesh's platform has it,
@@ -195,12 +211,13 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
     Raises:
       ValueError: ``T`` not divisible by the token shards, or E (or H, I) not divisible by
         its mesh axes (both numbers named); an unknown ``dispatch`` or ``overflow``, or a
-        ``capacity_factor`` <= 0 (named).
+        ``capacity_factor`` <= 0 or a ``token_chunk`` that is no int > 0 (named).
     """
     platform = target_platform(mesh)
     ragged = REGISTRY.resolve(dispatch, platform=platform)[0] == "ragged"
     check_capacity_factor(capacity_factor)
     check_overflow(overflow)
+    check_token_chunk(token_chunk)
     token_axes = present(mesh, BATCH_AXES) if token_axes is None else tuple(token_axes)
     check_divisible(x.shape[0], mesh, token_axes, "MoE input (batch x sequence)")
     gate_spec = _nontrivial(logical_to_mesh(
@@ -215,7 +232,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
         return _shard_body(
             *args, expert_axis=expert_axes, num=axis_size(mesh, expert_axes),
             gather_axes=_axes(gate_spec[1]), sum_axes=_axes(gate_spec[2]),
-            max_rows=max_rows, ragged=ragged,
+            max_rows=max_rows, token_chunk=token_chunk, ragged=ragged,
             native=platform in NATIVE, capacity_factor=capacity_factor,
             overflow=overflow,
         )

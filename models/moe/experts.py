@@ -1,7 +1,7 @@
 """The expert computation every dispatch path shares: grouped SwiGLU (``ragged_dot``) of
-rows sorted by expert, the weighted combination of each token's top-k expert outputs, and
-the routing of padding tokens (a token mask) past every expert group (not computed,
-output 0)."""
+rows sorted by expert, the weighted combination of each token's top-k expert outputs, the
+routing of padding tokens (a token mask) past every expert group (not computed, output 0),
+and the sequential token chunks (``token_chunks``) that bound the buffers of each."""
 
 from __future__ import annotations
 
@@ -86,3 +86,33 @@ def route_valid(experts: jax.Array, token_mask: jax.Array | None, num_experts: i
         return experts, jnp.ones(experts.shape, bool)
     valid = jnp.broadcast_to(token_mask[:, None], experts.shape)
     return jnp.where(valid, experts, num_experts).astype(experts.dtype), valid
+
+
+def token_chunks(fn, chunk: int, *args):
+    """``fn(*args)``, ``chunk`` tokens at a time: the leading (token) axis of every arg is
+    cut into chunks that run one after another (``jax.lax.map``), each rematerialised in
+    the backward pass (``jax.checkpoint``: only its inputs are saved), so one chunk's
+    intermediates are live at a time. Tokens are independent, so the result is ``fn`` on
+    all of them (up to float32 summation order in the weight gradients).
+
+    ``T`` not a multiple of ``chunk``: the args are padded with zeros to one (a token mask
+    among them is then False there: padding, which ``fn`` must neither count nor let
+    change a real token) and the outputs cut back to ``T``. ``chunk >= T``: one call.
+
+    Args:
+      fn: ``fn(*chunk_args) -> pytree of [t, ...]`` arrays, ``t`` the chunk's tokens.
+      chunk: tokens per call (> 0). args: arrays ``[T, ...]``.
+
+    Returns:
+      ``fn``'s pytree with leading axis ``T``.
+    """
+    tokens = args[0].shape[0]
+    one = jax.checkpoint(lambda a: fn(*a))
+    if chunk >= tokens:
+        return one(args)
+    steps = -(-tokens // chunk)
+    pad = steps * chunk - tokens
+    split = tuple(jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1))
+                  .reshape(steps, chunk, *a.shape[1:]) for a in args)
+    out = jax.lax.map(one, split)
+    return jax.tree.map(lambda o: o.reshape(steps * chunk, *o.shape[2:])[:tokens], out)

@@ -20,6 +20,13 @@ the step's ``DecoderOutput.dropped_fraction``);
 ``ModelConfig.expert_capacity_overflow="nan"`` (strict) gives those tokens NaN outputs
 instead. A drop changes the trained model away from the sampled one (RL log-probs), so
 watch the dropped fraction, or stay dropless.
+
+With ``ModelConfig.moe_token_chunk`` the experts take a device's tokens that many at a
+time, one chunk after another, each rematerialised in the backward: the dispatch buffers
+and expert activations stay one chunk's whatever the sequence length. The router runs on
+all tokens at once (its float32 ``[T, E]`` logits and probabilities are ``E`` floats a
+token, small next to the ``k`` hidden rows a token's pairs take), so the router statistics
+are the unchunked ones; only the capacity, with a capacity factor, is per chunk.
 """
 
 from __future__ import annotations
@@ -90,6 +97,7 @@ class MoE(nnx.Module):
         self.rules = cfg.sharding_rules  # where the experts live under a mesh
         self.dispatch, self.capacity_factor = cfg.expert_dispatch, cfg.expert_capacity_factor
         self.overflow = cfg.expert_capacity_overflow
+        self.token_chunk = cfg.moe_token_chunk  # tokens per expert chunk (None: all)
         self.router = param(rngs, (h, e), ("embed", "expert"), pd)
         self.gate_proj = param(rngs, (e, h, i), ("expert", "embed", "mlp"), pd, in_axes=(1,))
         self.up_proj = param(rngs, (e, h, i), ("expert", "embed", "mlp"), pd, in_axes=(1,))
@@ -124,12 +132,14 @@ class MoE(nnx.Module):
                   self.down_proj[...].astype(dt))
         mask = token_mask.reshape(-1)
         if mesh.empty:
-            y = dropless_experts(flat, experts, weights, *params, token_mask=mask)
+            y = dropless_experts(flat, experts, weights, *params, token_mask=mask,
+                                 token_chunk=self.token_chunk)
             dropped = jnp.zeros((), jnp.float32)
         else:
             y, lost = routed_experts(
                 flat, experts, weights, *params, mesh=mesh, rules=self.rules,
-                dispatch=self.dispatch, capacity_factor=self.capacity_factor,
+                token_chunk=self.token_chunk, dispatch=self.dispatch,
+                capacity_factor=self.capacity_factor,
                 overflow=self.overflow, token_mask=mask,
                 token_axes=context.token_axes(mesh) if c > 1 else None)
             dropped = jnp.sum(lost, dtype=jnp.float32)
