@@ -6,7 +6,7 @@
                   ``ModelConfig.expert_dispatch`` values) and its ``"auto"``, the
                   capacity / overflow checks
   experts.py      what every path shares: grouped SwiGLU ``expert_ffn``, ``combine``,
-                  ``route_valid``
+                  ``route_valid``, ``token_chunks`` (``ModelConfig.moe_token_chunk``)
   reference.py    ``dropless_experts``: one device, no mesh
   dense.py        ``"dense"``: worst-case blocks and ``all_to_all``
   ragged.py       ``"ragged"``: ``ragged_all_to_all`` (emulated on CPU), the capacity rule
