@@ -86,6 +86,8 @@ def main(argv=None) -> None:
     parser.add_argument("--capacity-factor", type=float, default=None,
                         help="ragged receive buffer: this times the balanced load "
                         "(default: the worst case)")
+    parser.add_argument("--moe-token-chunk", type=int, default=None,
+                        help="the MoE's tokens per chunk (ModelConfig.moe_token_chunk)")
     args = parser.parse_args(argv)
     meshes = [parse_mesh(m) for m in (args.mesh or ["fsdp=8,expert=8"])]
     devices = max(math.prod(m.values()) for m in meshes)
@@ -104,7 +106,8 @@ def main(argv=None) -> None:
             row = measure(args.preset, mesh, batch=args.batch, seq=args.seq, keep=args.keep,
                           layers=args.layers, remat=args.remat,
                           topology=args.topology, scan=not args.no_scan, dispatch=dispatch,
-                          capacity_factor=args.capacity_factor)
+                          capacity_factor=args.capacity_factor,
+                          moe_token_chunk=args.moe_token_chunk)
             peak = "-" if row["peak"] is None else f"{row['peak']:.3g}"
             print("| {preset} | {mesh} | {devices} | {tokens} | {params:.3g} | {adam:.3g} | "
                   "{temp:.3g} | {p} | {fits} | {compile:.0f} | {target} | {dispatch} | "

@@ -34,7 +34,8 @@ def _shard_bytes(abstract) -> int:
 
 def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, keep: float,
             layers: int, remat: bool = False, topology: str | None = None, scan: bool = True,
-            dispatch: str = "dense", capacity_factor: float | None = None) -> dict:
+            dispatch: str = "dense", capacity_factor: float | None = None,
+            moe_token_chunk: int | None = None) -> dict:
     """Compile the trainer's GRPO step (``train.steps.grpo_step``: its loss, its head on the
     kept tokens, its placement) for ``mesh_sizes`` on abstract shapes; per-device GiB and
     the lower + compile seconds.
@@ -50,8 +51,8 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
       topology: a TPU slice name (``"v6e:8x8"``) to compile for with the TPU compiler
         (the mesh's devices are its first ones); None: the host's (fake) CPU devices.
       scan: False turns the preset's ``scan_layers`` off.
-      dispatch, capacity_factor: ``ModelConfig.expert_dispatch`` /
-        ``expert_capacity_factor``.
+      dispatch, capacity_factor, moe_token_chunk: ``ModelConfig.expert_dispatch`` /
+        ``expert_capacity_factor`` / ``moe_token_chunk``.
 
     Returns:
       a dict of the table's columns (``benchmarks/memory.py``): sizes in GiB per device.
@@ -68,7 +69,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
 
     cfg = get_config(preset, dtype="bfloat16", param_dtype="float32", remat=remat)
     cfg = cfg.replace(scan_layers=cfg.scan_layers and scan, expert_dispatch=dispatch,
-                      expert_capacity_factor=capacity_factor)
+                      expert_capacity_factor=capacity_factor, moe_token_chunk=moe_token_chunk)
     if layers:
         cfg = cfg.replace(num_hidden_layers=layers)
     devices = jax.devices() if topology is None else _topology_devices(topology)
@@ -142,7 +143,8 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
         "target": "CPU (approximation)" if topology is None else f"TPU compiler ({topology})",
         "dispatch": dispatch + (f", factor {capacity_factor:g}" if capacity_factor
                                 and dispatch == "ragged" else "")
-        + (" (emulated)" if dispatch == "ragged" and topology is None else ""),
+        + (" (emulated)" if dispatch == "ragged" and topology is None else "")
+        + (f", chunks of {moe_token_chunk}" if moe_token_chunk else ""),
         "params": param_bytes / GIB, "adam": adam_bytes / GIB,
         "temp": temp / GIB, "peak": None if peak is None else peak / GIB, "fits": fits,
         "compile": seconds,
