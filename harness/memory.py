@@ -184,31 +184,42 @@ def saved_activation_bytes(loss_fn, params, data) -> tuple[int, list[str]]:
     return sum(r[0] for r in res), [f"{b / 2**20:.3g} MiB {s}" for b, s, _ in res[:3]]
 
 
-_ALLOCATION = re.compile(r"^allocation \d+: size (\d+)(.*):$")
-_VALUE = re.compile(r"^ value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (\S+)")
+_ALLOCATION = re.compile(r"^allocation (\d+): size (\d+)(.*):$")
+_VALUE = re.compile(r"^ value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (\S+)")
 
 
 def largest_temporaries(buffer_assignment: str, count: int = 3) -> list[str]:
-    """The ``count`` largest values XLA placed in temporary buffers of device memory, from
-    a compiled module's buffer-assignment dump (``*buffer-assignment.txt`` of
+    """The ``count`` largest buffers XLA placed among the temporaries of device memory,
+    from a compiled module's buffer-assignment dump (``*buffer-assignment.txt`` of
     ``xla_dump_to``; per device after SPMD partitioning): ``"<MiB> MiB <shape>
-    (<instruction>)"``, largest first. Parameters, outputs, constants, thread-local
+    (<instruction> = <instruction>...)"``, largest first. Values at the same offset of the
+    same allocation with the same size are one buffer, listed once with every name (e.g. a
+    scan's stacked residuals: the ``AllocateBuffer`` custom call and the in-place
+    ``dynamic-update-slice`` that fills it). Parameters, outputs, constants, thread-local
     scalars and other memory spaces (TPU VMEM, SMEM: ``color`` > 0) are left out."""
-    values, temp = {}, False
+    places, temp, allocation = {}, False, None
     for line in buffer_assignment.splitlines():
         m = _ALLOCATION.match(line)
         if m:
-            kind = m.group(2)
+            allocation, kind = m.group(1), m.group(3)
             color = re.search(r", color (\d+),", kind)
             temp = (color is None or color.group(1) == "0") and not any(
                 k in kind for k in ("parameter", "output shape", "constant", "thread-local"))
             continue
         m = _VALUE.match(line)
         if temp and m:
-            name, size, shape = m.group(1), int(m.group(2)), m.group(3).split("{")[0]
-            values[name] = max(values.get(name, (0, ""))[0], size), shape
-    top = sorted(values.items(), key=lambda kv: -kv[1][0])[:count]
-    return [f"{b / 2**20:.3g} MiB {shape} ({name})" for name, (b, shape) in top]
+            name, size, offset = m.group(1), int(m.group(2)), int(m.group(3))
+            shape, names = places.setdefault((allocation, offset, size),
+                                             (m.group(4).split("{")[0], []))
+            if name not in names:
+                names.append(name)
+    rows, seen = [], set()
+    for (_, _, size), (shape, names) in sorted(places.items(), key=lambda kv: -kv[0][2]):
+        if seen.intersection(names):  # a value under several places counts once
+            continue
+        seen.update(names)
+        rows.append(f"{size / 2**20:.3g} MiB {shape} ({' = '.join(names)})")
+    return rows[:count]
 
 
 def _buffer_assignment(dump_dir: str) -> str:

@@ -40,7 +40,7 @@ def test_memory_benchmark_tiny():
 
 def test_largest_temporaries_reads_only_device_memory_temps():
     """Parameters (even with ``color 0``), other memory spaces (TPU VMEM: ``color 1``) and
-    outputs are not temporaries; the rest are listed largest first."""
+    outputs are not temporaries; the rest are listed largest first, a buffer once."""
     from harness.memory import largest_temporaries
 
     lines = [
@@ -57,6 +57,17 @@ def test_largest_temporaries_reads_only_device_memory_temps():
     ]
     assert largest_temporaries("\n".join(lines)) == ["0.000488 MiB f32[128] (plain)",
                                          "0.000244 MiB f32[64] (hbm)"]
+    # one buffer under two names (a scan's AllocateBuffer and the dynamic-update-slice that
+    # fills it in place) is listed once; the same size elsewhere is another buffer
+    shared = [
+        "allocation 5: size 4096, preallocated-temp:",
+        " value: <6 custom-call.1 @0> (size=1024,offset=0): bf16[2,256]{1,0}",
+        " value: <7 dynamic-update-slice_fusion.2 @0> (size=1024,offset=0): bf16[2,256]{1,0}",
+        " value: <8 other @0> (size=1024,offset=1024): bf16[2,256]{1,0}",
+    ]
+    assert largest_temporaries("\n".join(shared), count=3) == [
+        "0.000977 MiB bf16[2,256] (custom-call.1 = dynamic-update-slice_fusion.2)",
+        "0.000977 MiB bf16[2,256] (other)"]
 
 
 def test_out_of_memory_reads_the_tpu_compilers_figures():
