@@ -23,7 +23,7 @@ def test_mesh_that_does_not_match_the_devices():
         MeshConfig(data=-1, expert=-1).shape(8)
     with pytest.raises(ValueError, match=r"unknown mesh axes \['model'\]"):
         MeshConfig.from_config({"data": 2, "model": 2})
-    assert MeshConfig.from_config({"expert": 2}).shape(8) == (4, 1, 2, 1)
+    assert MeshConfig.from_config({"expert": 2}).shape(8) == (4, 1, 2, 1, 1)
 
 
 def test_moe_arrays_not_divisible_by_the_mesh():

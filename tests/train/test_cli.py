@@ -37,7 +37,7 @@ def test_print_config_exits_0_with_every_key(module):
     assert "train.steps = 7" in lines
     assert "data.tasks = ('chain_sum', 'basic_arithmetic')" in lines
     assert f"mesh.rules = {tuple(DEFAULT_RULES)!r}" in lines  # the rules are config data
-    assert "('embed', 'fsdp')" in repr(tuple(DEFAULT_RULES))
+    assert "('embed', ('fsdp', 'context'))" in repr(tuple(DEFAULT_RULES))
     keys = leaf_keys(load_config(str(ROOT / MICRO)))
     assert [line.split(" = ")[0] for line in lines] == keys
 
