@@ -32,8 +32,8 @@ def _counted(case):
 
 
 def dense_case() -> dict:
-    """The dense tied model's GRPO step on rows of 64 tokens (16 per device)."""
-    return _counted(lambda: grpo_case("tiny", MESHES, row_len=64))
+    """The dense tied model's GRPO step on rows of 32 tokens (8 per device)."""
+    return _counted(lambda: grpo_case("tiny", MESHES, row_len=32))
 
 
 def moe_case() -> dict:
