@@ -15,6 +15,7 @@ from models.attention.layer import Attention
 from models.cache import KVCache, check_room, init_cache, layer_view, write_tokens
 from models.config import ModelConfig
 from models.layers import MLP, RMSNorm, embedding
+from models.lookup import embed_lookup
 from models.mesh import active_mesh
 from models.moe.layer import MoE, RouterStats, dropped_fraction, load_balancing_loss
 from models.scan import REMAT_POLICIES, layer_at, scan_layers, stack_modules
@@ -146,7 +147,10 @@ class Transformer(nnx.Module):
         if cache is not None:
             overflow = check_room(cache, tokens.shape[1])
             cache = write_tokens(cache, positions, segment_ids)
-        x = self.embed_tokens(tokens).astype(self.cfg.dtype)  # gathered in param_dtype
+        # gathered in param_dtype; training's gradient is formed shard by shard
+        x = embed_lookup(self.embed_tokens.embedding[...], tokens,
+                         rules=self.cfg.sharding_rules, split_tokens=cache is None)
+        x = x.astype(self.cfg.dtype)
         if cache is None:  # a row's tokens split over context, if the mesh has one
             x = context.constrain_tokens(x, active_mesh())
         if cache is None and self.cfg.scan_layers:
