@@ -38,7 +38,11 @@ of weights such as the head's ``[H, V]``, at full size; with remat and scan the
 activations are the ``[L, tokens, H]`` layer inputs) and the largest temporaries of the compiled
 program (per device, from the buffer assignment XLA dumps with ``xla_dump_to``).
 The preset's ``scan_layers`` is kept (on for Qwen3-30B-A3B); ``--no-scan`` unrolls the
-layers.
+layers. ``--remat --remat-policy offload`` keeps the saved layer inputs in pinned host
+memory (``models.scan.REMAT_POLICIES``): the ``host temporaries`` column, from
+``memory_analysis().host_temp_size_in_bytes``; the peak is device memory only.
+
+    python benchmarks/memory.py --topology v5e:8x8 --seq 32768 --remat --remat-policy offload
 """
 
 from __future__ import annotations
@@ -76,6 +80,9 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=0, help="override num_hidden_layers")
     parser.add_argument("--remat", action="store_true",
                         help="recompute each decoder layer in the backward pass")
+    parser.add_argument("--remat-policy", default="nothing_saved",
+                        help="what --remat saves (ModelConfig.remat_policy): nothing_saved, "
+                        "offload (the layer inputs in host memory), dots_saved")
     parser.add_argument("--no-scan", action="store_true",
                         help="unroll the layers even if the preset scans them")
     parser.add_argument("--topology", default=None,
@@ -96,21 +103,22 @@ def main(argv=None) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     print("| preset | mesh | devices | tokens/device | params GiB | Adam m+v GiB | "
-          "temporaries GiB | peak GiB | fits | compile s | compiled for | dispatch | "
-          "Mosaic kernels |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "temporaries GiB | host temporaries GiB | peak GiB | fits | compile s | "
+          "compiled for | dispatch | Mosaic kernels |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     dispatches = ("dense", "ragged") if args.dispatch == "both" else (args.dispatch,)
     rows = []
     for mesh in meshes:
         for dispatch in dispatches:
             row = measure(args.preset, mesh, batch=args.batch, seq=args.seq, keep=args.keep,
                           layers=args.layers, remat=args.remat,
+                          remat_policy=args.remat_policy,
                           topology=args.topology, scan=not args.no_scan, dispatch=dispatch,
                           capacity_factor=args.capacity_factor,
                           moe_token_chunk=args.moe_token_chunk)
             peak = "-" if row["peak"] is None else f"{row['peak']:.3g}"
             print("| {preset} | {mesh} | {devices} | {tokens} | {params:.3g} | {adam:.3g} | "
-                  "{temp:.3g} | {p} | {fits} | {compile:.0f} | {target} | {dispatch} | "
+                  "{temp:.3g} | {host_temp:.3g} | {p} | {fits} | {compile:.0f} | {target} | {dispatch} | "
                   "{kernels} |".format(**row, p=peak), flush=True)
             rows.append(row)
     print("\n| preset | dispatch | saved activations GiB | saved weight copies GiB "

@@ -33,9 +33,9 @@ def _shard_bytes(abstract) -> int:
 
 
 def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, keep: float,
-            layers: int, remat: bool = False, topology: str | None = None, scan: bool = True,
-            dispatch: str = "dense", capacity_factor: float | None = None,
-            moe_token_chunk: int | None = None) -> dict:
+            layers: int, remat: bool = False, remat_policy: str = "nothing_saved",
+            topology: str | None = None, scan: bool = True, dispatch: str = "dense",
+            capacity_factor: float | None = None, moe_token_chunk: int | None = None) -> dict:
     """Compile the trainer's GRPO step (``train.steps.grpo_step``: its loss, its head on the
     kept tokens, its placement) for ``mesh_sizes`` on abstract shapes; per-device GiB and
     the lower + compile seconds.
@@ -47,7 +47,9 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
         over the mesh's ``context`` axis, if it has one).
       keep: the fraction of tokens a loss reads (each token shard's bucket).
       layers: overrides ``num_hidden_layers`` (0: the preset's).
-      remat: recompute each decoder layer in the backward.
+      remat: recompute each decoder layer in the backward; remat_policy: what it saves
+        (``ModelConfig.remat_policy``; ``"offload"`` keeps the layer inputs in host memory,
+        reported as ``host_temp``).
       topology: a TPU slice name (``"v6e:8x8"``) to compile for with the TPU compiler
         (the mesh's devices are its first ones); None: the host's (fake) CPU devices.
       scan: False turns the preset's ``scan_layers`` off.
@@ -67,7 +69,8 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     from train import rl_loss, state, steps
     from train.placement import Placement
 
-    cfg = get_config(preset, dtype="bfloat16", param_dtype="float32", remat=remat)
+    cfg = get_config(preset, dtype="bfloat16", param_dtype="float32", remat=remat,
+                     remat_policy=remat_policy)
     cfg = cfg.replace(scan_layers=cfg.scan_layers and scan, expert_dispatch=dispatch,
                       expert_capacity_factor=capacity_factor, moe_token_chunk=moe_token_chunk)
     if layers:
@@ -128,16 +131,19 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     param_bytes = _shard_bytes(params)  # exact: the shards' sizes
     adam_bytes = _shard_bytes(opt)
     if compiled is None:
+        host_temp = 0
         temp, peak, fits = oom[0] * GIB, None, f"no: needs {oom[0]:.3g} GiB of temporaries, "
         fits += f"{oom[1]:.4g} available"
     else:
         mem = compiled.memory_analysis()
         temp, fits = mem.temp_size_in_bytes, "yes"
+        host_temp = mem.host_temp_size_in_bytes  # offloaded residuals (pinned host)
         peak = (mem.argument_size_in_bytes + mem.temp_size_in_bytes
                 + mem.output_size_in_bytes - mem.alias_size_in_bytes)
     return {
         "preset": preset + (f" ({layers} layers)" if layers else "")
-        + (", remat" if remat else "") + (", scan" if cfg.scan_layers else ""),
+        + ((", remat" if remat_policy == "nothing_saved" else f", remat {remat_policy}")
+           if remat else "") + (", scan" if cfg.scan_layers else ""),
         "mesh": " x ".join(f"{k}={v}" for k, v in mesh_sizes.items() if v > 1) or "1",
         "devices": math.prod(mesh_sizes.values()), "tokens": per_shard,
         "target": "CPU (approximation)" if topology is None else f"TPU compiler ({topology})",
@@ -146,7 +152,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
         + (" (emulated)" if dispatch == "ragged" and topology is None else "")
         + (f", chunks of {moe_token_chunk}" if moe_token_chunk else ""),
         "params": param_bytes / GIB, "adam": adam_bytes / GIB,
-        "temp": temp / GIB, "peak": None if peak is None else peak / GIB, "fits": fits,
+        "temp": temp / GIB, "host_temp": host_temp / GIB, "peak": None if peak is None else peak / GIB, "fits": fits,
         "compile": seconds,
         "saved": activations / GIB, "weight_copies": (saved - activations) / GIB,
         "largest_saved": top_saved,

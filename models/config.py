@@ -39,8 +39,10 @@ class ModelConfig:
     (``jax.checkpoint`` around the layer), trading one more forward of the layers for
     activation memory; ``remat_policy`` names what each layer still saves:
     ``"nothing_saved"`` (only the layer inputs: activation memory no longer grows with
-    depth), ``"dots_saved"`` (also the matmul outputs without batch dimensions), ``"full"``
-    (everything: the same as ``remat=False``). Decoding with a KV cache never
+    depth), ``"offload"`` (the layer inputs, in pinned host memory: no activation memory
+    on the device beyond one layer's recomputation, at the price of a host copy of each
+    layer input each way), ``"dots_saved"`` (also the matmul outputs without batch
+    dimensions), ``"full"`` (everything: the same as ``remat=False``). Decoding with a KV cache never
     rematerialises.
 
     Depth: ``scan_layers`` stacks the decoder layers' parameters on a leading ``[L]`` axis

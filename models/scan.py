@@ -16,17 +16,33 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 #: Logical axis name of the stacked layer axis.
 LAYER_AXIS = "layers"
 
+#: ``checkpoint_name`` of a decoder layer's input inside the rematerialised body (what the
+#: ``"offload"`` policy moves to host memory).
+LAYER_INPUT = "decoder_layer_input"
+
 #: ``remat_policy`` name -> ``jax.checkpoint`` policy; ``"full"`` saves every activation
-#: (no rematerialisation).
+#: (no rematerialisation). ``"offload"`` saves what ``"nothing_saved"`` saves, the layer
+#: inputs, in pinned host memory instead of device memory (copied out in the forward, back
+#: in the backward; MaxText's ``remat_policy`` of the same purpose); on a backend without a
+#: separate host memory (XLA:CPU) it is ``"nothing_saved"``.
 REMAT_POLICIES: dict[str, Callable | None] = {
     "nothing_saved": jax.checkpoint_policies.nothing_saveable,
     "dots_saved": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT],
+        offload_src="device", offload_dst="pinned_host"),
     "full": None,
 }
+
+
+def name_layer_input(x):
+    """``x`` (any pytree of arrays) tagged ``LAYER_INPUT`` for the remat policies."""
+    return jax.tree.map(lambda a: checkpoint_name(a, LAYER_INPUT), x)
 
 
 def stack_modules(modules: Sequence[nnx.Module]) -> nnx.Module:
@@ -83,7 +99,7 @@ def scan_layers(stacked: nnx.Module, body: Callable, carry, *, policy: str = "fu
     graphdef, state = nnx.split(stacked)
 
     def step(carry, layer_state):
-        return body(nnx.merge(graphdef, layer_state), carry)
+        return body(nnx.merge(graphdef, layer_state), name_layer_input(carry))
 
     if REMAT_POLICIES[policy] is not None:
         step = jax.checkpoint(step, policy=REMAT_POLICIES[policy], prevent_cse=False)

@@ -18,7 +18,7 @@ from models.layers import MLP, RMSNorm, embedding
 from models.lookup import embed_lookup
 from models.mesh import active_mesh
 from models.moe.layer import MoE, RouterStats, dropped_fraction, load_balancing_loss
-from models.scan import REMAT_POLICIES, layer_at, scan_layers, stack_modules
+from models.scan import REMAT_POLICIES, layer_at, name_layer_input, scan_layers, stack_modules
 
 
 class DecoderOutput(NamedTuple):
@@ -75,7 +75,7 @@ class DecoderLayer(nnx.Module):
 
 
 def _call_layer(layer: DecoderLayer, x, positions, segment_ids):
-    return layer(x, positions, segment_ids)
+    return layer(name_layer_input(x), positions, segment_ids)
 
 
 class Transformer(nnx.Module):

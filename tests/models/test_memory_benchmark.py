@@ -23,9 +23,9 @@ def test_memory_benchmark_tiny():
     assert len(rows) == 1, proc.stdout
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
     assert cells[1:4] == ["fsdp=2 x expert=2", "4", "32"]
-    params, adam, temp, peak = map(float, cells[4:8])
-    assert cells[8] == "yes" and float(cells[9]) > 0
-    assert cells[10:12] == ["CPU (approximation)", "ragged (emulated)"]
+    params, adam, temp, host_temp, peak = map(float, cells[4:9])
+    assert cells[9] == "yes" and float(cells[10]) > 0 and host_temp == 0
+    assert cells[11:13] == ["CPU (approximation)", "ragged (emulated)"]
     assert abs(adam - 2 * params) <= 1e-2 * adam and 0 < temp and peak >= params + adam
     rows = [line for line in breakdown.splitlines() if line.startswith("| tiny-moe")]
     assert len(rows) == 1, proc.stdout

@@ -122,3 +122,20 @@ def test_context_parallel_grpo_step_compiles_on_a_v6e_slice():
                   seq=512, keep=0.5, layers=0, topology="v6e:8x8", dispatch="ragged")
     assert row["tokens"] == 128 and row["fits"] == "yes", row
     assert row["kernels"] == 3, row  # the head's fwd / dh / dW; no splash
+
+
+def test_offload_moves_the_saved_layer_inputs_to_host_memory():
+    """``remat_policy="offload"`` compiled by the TPU compiler: the tiny MoE's GRPO step
+    keeps its saved layer inputs in host memory (``host_temp``). At this size the device
+    saves little (the inputs are 0.5 MiB of 13 MiB of temporaries, and the copies need
+    staging); the 30B rows of docs/scale-out.md show the device side."""
+    from harness.memory import measure
+
+    rows = {policy: measure("tiny-moe", {"data": 1, "fsdp": 2, "expert": 2}, batch=0,
+                            seq=2048, keep=0.5, layers=0, remat=True, remat_policy=policy,
+                            topology="v6e:2x2", dispatch="dense")
+            for policy in ("nothing_saved", "offload")}
+    kept, offload = rows["nothing_saved"], rows["offload"]
+    assert kept["host_temp"] == 0 and offload["host_temp"] > 0, rows
+    # each of the 2 layers' bf16 [1, 2048, 64] input per device
+    assert offload["host_temp"] >= 2 * 2048 * 64 * 2 / 2**30, rows

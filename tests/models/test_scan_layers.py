@@ -72,7 +72,7 @@ def assert_close(actual, expected, what, rel=1e-5):
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
 @pytest.mark.parametrize("remat, policy", [(False, "nothing_saved"), (True, "nothing_saved"),
-                                           (True, "dots_saved")])
+                                           (True, "dots_saved"), (True, "offload")])
 def test_scan_equals_loop_forward_aux_and_gradients(kind, remat, policy):
     loop = random_model(config(kind, remat=remat, remat_policy=policy), seed=1)
     scan = as_scanned(loop)
