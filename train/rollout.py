@@ -119,7 +119,8 @@ def _decoder(mdef: ModelDef, max_new_tokens: int, truncated: bool,
         kw = dict(zip(Truncation._fields, trunc)) if truncated else {}
         return jaxhead.sample(hidden.astype(dtype), model.lm_head.weight(dtype), key,
                               temperature=temperature, softcap=model.lm_head.softcap,
-                              num_valid=num_valid, **kw)
+                              num_valid=num_valid, weight_layout=model.lm_head.weight_layout,
+                              **kw)
 
     def generate(params, prompts, lens, num_rows, key, temperature, trunc):
         model = mdef.merge(params)

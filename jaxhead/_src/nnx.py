@@ -18,8 +18,10 @@ class LMHead(nnx.Module):
     """LM head ``[H, V]`` whose forward returns log-probs and entropy of kept tokens.
 
     Either owns its kernel (``nnx.Param`` ``[H, V]`` with logical axes ``("embed",
-    "vocab")``) or, with ``tied_embedding``, reads the ``[V, H]`` table of an ``nnx.Embed``
-    (Qwen3-0.6B style tied embeddings); the table is shared, not copied, in the graph.
+    "vocab")``; ``weight_layout = "hv"``) or, with ``tied_embedding``, reads the ``[V, H]``
+    table of an ``nnx.Embed`` (Qwen3-0.6B style tied embeddings; ``weight_layout = "vh"``):
+    the head uses the table as it is, never a transposed copy, and its gradient arrives
+    ``[V, H]``, in the table's own layout.
 
     Args:
       hidden_size: H.
@@ -63,16 +65,19 @@ class LMHead(nnx.Module):
                 )
             self.embedding = tied_embedding
             self.kernel = None
+            self.weight_layout = "vh"
         else:
             if rngs is None:
                 raise ValueError("an untied LMHead needs rngs to initialise its kernel")
             self.embedding = None
+            self.weight_layout = "hv"
             value = kernel_init(rngs.params(), (hidden_size, vocab_size), param_dtype)
             self.kernel = nnx.Param(value, out_sharding=KERNEL_AXES, eager_sharding=False)
 
     def weight(self, dtype=None) -> jax.Array:
-        """The ``[H, V]`` head weight, cast to ``dtype`` if given."""
-        w = self.embedding.embedding[...].T if self.kernel is None else self.kernel[...]
+        """The head weight in ``weight_layout`` (the ``[H, V]`` kernel, or the tied ``[V, H]``
+        table as it is), cast to ``dtype`` if given."""
+        w = self.embedding.embedding[...] if self.kernel is None else self.kernel[...]
         return w if dtype is None else w.astype(dtype)
 
     def __call__(
@@ -92,6 +97,7 @@ class LMHead(nnx.Module):
             hidden.astype(dtype), self.weight(dtype), labels, keep,
             temperature=temperature, softcap=self.softcap, with_entropy=with_entropy,
             bucket=bucket, min_logit=min_logit, impl=self.impl, config=self.config,
+            weight_layout=self.weight_layout,
         )
 
     def sharded(
@@ -118,6 +124,7 @@ class LMHead(nnx.Module):
             token_axes=token_axes, vocab_axis=vocab_axis, bucket=bucket,
             temperature=temperature, softcap=self.softcap, with_entropy=with_entropy,
             min_logit=min_logit, impl=self.impl, config=self.config,
+            weight_layout=self.weight_layout,
         )
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -125,7 +132,7 @@ class LMHead(nnx.Module):
         for samplers that need them; the training path never calls this."""
         dtype = self.dtype or hidden.dtype
         u = jnp.einsum(
-            "...h,hv->...v", hidden.astype(dtype), self.weight(dtype),
+            f"...h,{self.weight_layout}->...v", hidden.astype(dtype), self.weight(dtype),
             preferred_element_type=jnp.float32,
         )
         return u if self.softcap is None else self.softcap * jnp.tanh(u / self.softcap)

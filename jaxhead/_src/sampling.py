@@ -14,8 +14,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxhead._src import validation
+from jaxhead._src.head import layout
 from jaxhead._src.head import math as hm
 from jaxhead._src.head import scan as sc
+from jaxhead._src.head.layout import WeightLayout
 from jaxhead._src.types import Sample
 
 DEFAULT_VOCAB_CHUNK = 8192
@@ -26,13 +29,11 @@ def _static(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _check(hidden, weight, num_valid, temperature, top_k, top_p, min_p):
-    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[0]:
-        raise ValueError(
-            f"hidden must be [B, H] and weight [H, V] with matching H, got {hidden.shape} "
-            f"and {weight.shape}"
-        )
-    vocab = weight.shape[1]
+def _check(hidden, weight, weight_layout, num_valid, temperature, top_k, top_p, min_p):
+    if hidden.ndim != 2:
+        raise ValueError(f"hidden must be [B, H], got shape {hidden.shape}")
+    validation.check_weight(hidden.shape, weight.shape, weight_layout)
+    vocab = layout.sizes(weight.shape, weight_layout)[1]
     num_valid = vocab if num_valid is None else int(num_valid)
     if not 0 < num_valid <= vocab:
         raise ValueError(f"num_valid must be in [1, V={vocab}], got {num_valid}")
@@ -117,7 +118,8 @@ def _better(z, g, ok, best_z, best_g, inv_temperature):
     return ok & (first | ((z - best_z) * inv_temperature[:, 0] + (g - best_g) > 0))
 
 
-def _chunked(hidden, weight, seeds, temperature, sampled, softcap, num_valid, vocab_chunk):
+def _chunked(hidden, weight, weight_layout, seeds, temperature, sampled, softcap, num_valid,
+             vocab_chunk):
     """The untruncated path. Per chunk, one logarithm per column: the Gumbel-max winner is
     the arg-max of ``exp(d) / E`` with ``E = -log(u) = exp(-g)`` (the same order as
     ``d + g``), reusing the ``exp`` of the log-sum-exp; only the winner's ``g`` is formed.
@@ -128,11 +130,12 @@ def _chunked(hidden, weight, seeds, temperature, sampled, softcap, num_valid, vo
     inv_temperature = 1.0 / temperature  # [B, 1]
     init = (hm.init_stats((rows, 1)), jnp.zeros((rows,), jnp.int32),
             jnp.full((rows,), -jnp.inf, f32), jnp.zeros((rows,), f32))
-    chunk = min(vocab_chunk, weight.shape[1])
+    axis = layout.vocab_dim(weight_layout)
+    chunk = min(vocab_chunk, weight.shape[axis])
 
     def step(carry, w_c, off, h):
         stats, tok, best_z, best_g = carry
-        z, _ = hm.logits(hm.matmul(h, w_c, (1, 0)), softcap)
+        z, _ = hm.logits(layout.logits(h, w_c, weight_layout), softcap)
         ids = lax.broadcasted_iota(jnp.int32, z.shape, 1) + off
         terms = hm.tile_exp(z, inv_temperature, None)
         tile = hm.tile_stats(z, inv_temperature, None, None, False, terms)
@@ -151,7 +154,8 @@ def _chunked(hidden, weight, seeds, temperature, sampled, softcap, num_valid, vo
                 jnp.where(take, cg, best_g))
 
     tuning = sc.Tuning()
-    stats, tok, z_tok, _ = sc.scan_vocab(tuning, chunk, step, init, weight, (hidden,))
+    stats, tok, z_tok, _ = sc.scan_vocab(tuning, chunk, step, init, weight, (hidden,),
+                                         axis=axis)
     logp = (z_tok - stats.m[:, 0]) * inv_temperature[:, 0] - jnp.log1p(stats.r[:, 0])
     ninf = jnp.full((rows,), -jnp.inf, f32)
     return Sample(tok, logp, ninf, jnp.zeros((rows,), f32))
@@ -205,10 +209,10 @@ def _threshold(l, eligible, top_k, top_p, min_p):
     return jnp.where(min_p > 0, jnp.maximum(tau, m + jnp.log(min_p)), tau)
 
 
-def _truncated(hidden, weight, seeds, temperature, sampled, softcap, num_valid, top_k, top_p,
-               min_p):
+def _truncated(hidden, weight, weight_layout, seeds, temperature, sampled, softcap, num_valid,
+               top_k, top_p, min_p):
     inv_temperature = 1.0 / temperature  # [B, 1]
-    z, _ = hm.logits(hm.matmul(hidden, weight, (1, 0)), softcap)
+    z, _ = hm.logits(layout.logits(hidden, weight, weight_layout), softcap)
     l = z * inv_temperature
     ids = lax.broadcasted_iota(jnp.int32, z.shape, 1)
     eligible = (ids < num_valid) & (z > -jnp.inf)
@@ -241,12 +245,15 @@ def sample(
     softcap: float | None = None,
     num_valid: int | None = None,
     vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
+    weight_layout: WeightLayout = "hv",
 ) -> Sample:
     """Draw one token per row from ``softmax(z / temperature)``, optionally truncated.
 
     Args:
       hidden: ``[B, H]`` final hidden states (bf16 / f32) of the positions to sample from.
-      weight: ``[H, V]`` head weight, same dtype as ``hidden``.
+      weight: the head weight, same dtype as ``hidden``: ``[H, V]``
+        (``weight_layout="hv"``) or ``[V, H]`` (``"vh"``, e.g. a tied embedding table,
+        used as it is: vocab chunks are its row blocks, no transposed copy).
       key: a JAX PRNG key: two 32-bit seed words per row are drawn from it (see the module
         docstring for the noise and what a draw depends on).
       temperature: float ``>= 0``, a Python number or a traced scalar (one compiled
@@ -260,22 +267,25 @@ def sample(
         (so one compiled function serves every truncation setting).
       softcap: soft-cap ``c`` of the head (``z = c tanh(u / c)``) or None.
       num_valid: only ids ``< num_valid`` are drawn (None: all V).
-      vocab_chunk: columns per tile of the untruncated path.
+      vocab_chunk: vocabulary entries per tile of the untruncated path.
+      weight_layout: ``"hv"`` or ``"vh"``: both draw the same tokens from the same key.
 
     Returns:
       ``Sample(tokens, logprobs, min_logit, logmass)``, ``[B]`` each (see ``Sample``).
 
     Raises:
-      ValueError: bad shapes, ``temperature < 0`` or not a scalar, ``num_valid`` outside
+      ValueError: bad shapes (a weight that does not match ``H`` in ``weight_layout``: the
+        layout named), an unknown ``weight_layout``, ``temperature < 0`` or not a scalar, ``num_valid`` outside
         ``[1, V]``, or ``top_k`` / ``top_p`` / ``min_p`` outside their ranges (the value
         named).
     """
-    num_valid = _check(hidden, weight, num_valid, temperature, top_k, top_p, min_p)
+    num_valid = _check(hidden, weight, weight_layout, num_valid, temperature, top_k, top_p,
+                       min_p)
     temperature, sampled = _row_temperature(temperature, hidden.shape[0])
     seeds = jax.random.bits(key, (hidden.shape[0], 2), jnp.uint32)
     off = all(_static(x) for x in (top_k, top_p, min_p)) and not (top_k or top_p < 1 or min_p)
     if not off:
-        return _truncated(hidden, weight, seeds, temperature, sampled, softcap, num_valid,
-                          top_k, top_p, min_p)
-    return _chunked(hidden, weight, seeds, temperature, sampled, softcap, num_valid,
-                    vocab_chunk)
+        return _truncated(hidden, weight, weight_layout, seeds, temperature, sampled, softcap,
+                          num_valid, top_k, top_p, min_p)
+    return _chunked(hidden, weight, weight_layout, seeds, temperature, sampled, softcap,
+                    num_valid, vocab_chunk)

@@ -12,35 +12,53 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxhead._src.head import layout
+
 
 def is_concrete(x) -> bool:
     """True when ``x`` holds host-readable values (not a tracer inside a transformation)."""
     return not isinstance(x, jax.core.Tracer)
 
 
-def check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit=None) -> None:
+def check_weight(hidden_shape, weight_shape, weight_layout) -> None:
+    """Raise unless ``weight_layout`` is ``"hv"`` / ``"vh"`` and a weight of ``weight_shape``
+    in it has the hidden size of ``hidden_shape [..., H]``.
+
+    Raises:
+      ValueError: another layout (named); a weight that is not 2-D, or whose hidden
+        dimension is not ``H`` (the shape, the layout and, when the other layout fits, that
+        one named).
+    """
+    layout.check(weight_layout)
+    hs, ws = tuple(hidden_shape), tuple(weight_shape)
+    if len(hs) < 1:
+        raise ValueError(f"hidden must be [..., H], got shape {hs}")
+    names = {"hv": "[H, V]", "vh": "[V, H]"}
+    if len(ws) != 2:
+        raise ValueError(f"weight must be {names[weight_layout]} with "
+                         f"weight_layout={weight_layout!r}, got shape {ws}")
+    if layout.sizes(ws, weight_layout)[0] != hs[-1]:
+        other = "vh" if weight_layout == "hv" else "hv"
+        what = "weight (e.g. a tied embedding table)" if other == "vh" else "weight"
+        hint = (f"; a {names[other]} {what} needs weight_layout={other!r}"
+                if layout.sizes(ws, other)[0] == hs[-1] else "")
+        raise ValueError(
+            f"weight {list(ws)} with weight_layout={weight_layout!r} does not match hidden "
+            f"size {hs[-1]} (hidden shape {hs}){hint}")
+
+
+def check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit=None,
+                 weight_layout="hv") -> None:
     """Raise on shape and dtype errors, naming both shapes or dtypes.
 
     Raises:
-      ValueError: shapes that do not agree, or ``softcap <= 0``.
+      ValueError: shapes that do not agree (``check_weight``), an unknown
+        ``weight_layout``, or ``softcap <= 0``.
       TypeError: non-float hidden/weight, differing hidden/weight dtypes, non-integer
         labels, non-bool keep, non-float min_logit.
     """
-    hs, ws, ls = jnp.shape(hidden), jnp.shape(weight), jnp.shape(labels)
-    if len(hs) < 1:
-        raise ValueError(f"hidden must be [..., H], got shape {hs}")
-    if len(ws) != 2:
-        raise ValueError(f"weight must be [H, V], got shape {ws}")
-    if ws[0] != hs[-1]:
-        if ws[1] == hs[-1]:
-            raise ValueError(
-                f"weight has shape {ws}, which looks like [V, H] (the embedding layout): the "
-                f"head takes [H, V] = ({hs[-1]}, {ws[0]}); pass weight.T (for a tied "
-                f"embedding table, the table transposed)"
-            )
-        raise ValueError(
-            f"hidden shape {hs} and weight shape {ws} disagree on H: {hs[-1]} != {ws[0]}"
-        )
+    hs, ls = jnp.shape(hidden), jnp.shape(labels)
+    check_weight(hs, jnp.shape(weight), weight_layout)
     if ls != hs[:-1]:
         raise ValueError(f"labels shape {ls} must equal hidden shape {hs} without its last axis")
     hd, wd = jnp.result_type(hidden), jnp.result_type(weight)

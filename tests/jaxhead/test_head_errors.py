@@ -38,11 +38,13 @@ def test_batched_label_error_names_multi_dim_position(data):
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"weight": jnp.zeros((17, 300))}, r"hidden shape \(40, 16\) and weight shape \(17, 300\)"),
+        ({"weight": jnp.zeros((17, 300))}, (r"weight \[17, 300\] with weight_layout='hv' does "
+                                            r"not match hidden size 16 \(hidden shape \(40, 16\)\)$")),
         ({"labels": jnp.zeros((41,), jnp.int32)}, r"labels shape \(41,\) must equal hidden shape"),
         ({"keep": jnp.ones((39,), bool)}, r"keep shape \(39,\) != labels shape \(40,\)"),
         ({"temperature": jnp.ones((3,))}, r"temperature must be a scalar or of labels shape"),
-        ({"weight": jnp.zeros((16,))}, r"weight must be \[H, V\], got shape \(16,\)"),
+        ({"weight": jnp.zeros((16,))},
+         r"weight must be \[H, V\] with weight_layout='hv', got shape \(16,\)"),
     ],
 )
 def test_shape_mismatch_names_both_shapes(data, change, match):
@@ -123,11 +125,15 @@ def test_ignore_index_labels_are_not_kept_without_a_keep_mask():
         chex.assert_trees_all_close((dh, dw), (dh_want, dw_want), atol=1e-5)
 
 
-def test_a_transposed_weight_is_named():
-    hidden = jnp.ones((3, 2))
-    with pytest.raises(ValueError, match=r"weight has shape \(16, 2\), which looks like "
-                       r"\[V, H\].*takes \[H, V\] = \(2, 16\); pass weight.T"):
-        jaxhead.token_logprobs(hidden, jnp.ones((16, 2)), jnp.zeros(3, jnp.int32))
+def test_a_weight_in_the_other_layout_is_named():
+    hidden, labels = jnp.ones((3, 2)), jnp.zeros(3, jnp.int32)
+    with pytest.raises(ValueError, match=r"weight \[16, 2\] with weight_layout='hv' does not "
+                       r"match hidden size 2 .*; a \[V, H\] weight \(e.g. a tied embedding "
+                       r"table\) needs weight_layout='vh'"):
+        jaxhead.token_logprobs(hidden, jnp.ones((16, 2)), labels)
+    with pytest.raises(ValueError, match=r"weight \[2, 16\] with weight_layout='vh' does not "
+                       r"match hidden size 2 .*; a \[H, V\] weight needs weight_layout='hv'"):
+        jaxhead.token_logprobs(hidden, jnp.ones((2, 16)), labels, weight_layout="vh")
 
 
 def test_traced_keep_without_a_bucket_warns_with_the_fix():

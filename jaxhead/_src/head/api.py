@@ -18,8 +18,9 @@ import numpy as np
 from jaxhead import dispatch
 from jaxhead._src import compaction, validation
 from jaxhead._src.buckets import bucket_size
-from jaxhead._src.head import pallas_tpu, pallas_triton, probe, reference, xla, xla_cpu
+from jaxhead._src.head import layout, pallas_tpu, pallas_triton, probe, reference, xla, xla_cpu
 from jaxhead._src.head.base import HeadImplementation, HeadSpec
+from jaxhead._src.head.layout import WeightLayout
 from jaxhead._src.types import HeadOutput
 from jaxhead.dispatch import KernelUnsupported
 
@@ -129,7 +130,8 @@ def run_compacted(head, made, padded: int, h, weight, y, temperature, min_logit,
     Args:
       head: an implementation (``HeadImplementation``) and ``made`` its plan for
         ``padded`` rows.
-      h: ``[N, H]``; weight: ``[H, V]`` (or a vocab shard); y: int32 ``[N]``;
+      h: ``[N, H]``; weight: ``[H, V]`` or ``[V, H]`` (the plan's layout; or a vocab
+      shard); y: int32 ``[N]``;
       temperature, min_logit: float32 ``[N]`` (padding rows get 1.0 and ``-inf``); keep:
       bool ``[N]`` or None (every row, in order).
 
@@ -213,6 +215,7 @@ def token_logprobs(
     config=None,
     min_logit=None,
     ignore_index: int | None = -100,
+    weight_layout: WeightLayout = "hv",
 ) -> HeadOutput:
     """float32 ``log p(label)`` and entropy of the kept tokens, without ``[N, V]`` logits.
 
@@ -226,8 +229,9 @@ def token_logprobs(
 
     Args:
       hidden: ``[..., H]`` bf16 / f16 / f32 final hidden states (after the final norm).
-      weight: ``[H, V]`` head weight, same dtype as ``hidden`` (for tied embeddings pass the
-        embedding table transposed).
+      weight: the head weight, same dtype as ``hidden``: ``[H, V]`` (``weight_layout="hv"``,
+        a ``Linear`` kernel) or ``[V, H]`` (``"vh"``: e.g. a tied embedding table, used as
+        it is: no transposed copy, forward or backward).
       labels: int ``[...]``: the next token of each position (see ``next_token_labels``).
       keep: optional bool ``[...]`` (see ``keep_mask``): positions to compute. None: every
         position whose label is not ``ignore_index``.
@@ -263,15 +267,20 @@ def token_logprobs(
         is given. With traced labels and no ``bucket`` their rows still run through the
         head in order (no compaction, which would save nothing), so their hidden states
         must be finite.
+      weight_layout: ``"hv"`` (``weight [H, V]``) or ``"vh"`` (``weight [V, H]``). Both
+        give the same numbers (the same float32 accumulation of each logit).
 
     Returns:
       ``HeadOutput(logprobs, entropy)``, float32 ``[...]``; exactly 0 where ``keep`` is
       false, and exactly zero gradient there; ``entropy`` is None without
       ``with_entropy``. Differentiable w.r.t. ``hidden`` and ``weight``; gradients come
-      back in their dtypes, accumulated in float32.
+      back in their dtypes (and the weight's in its ``weight_layout``), accumulated in
+      float32.
 
     Raises:
-      ValueError: shapes that disagree (both named); with concrete inputs, kept labels
+      ValueError: shapes that disagree (both named; a weight whose hidden dimension does
+        not match in ``weight_layout``, with the layout, and the other layout when it would
+        fit); a ``weight_layout`` other than ``"hv"`` / ``"vh"``; with concrete inputs, kept labels
         outside ``[0, V)`` (count and first position named), a temperature not > 0 on a
         kept token, or ``bucket`` smaller than the number of kept tokens; an unknown impl;
         a bad config value (named). ``jaxhead.KernelUnsupported`` (a ValueError): an
@@ -284,15 +293,16 @@ def token_logprobs(
     (and, for the bucket case, ``entropy = NaN``) so that the loss turns NaN rather than
     silently wrong; a temperature <= 0 gives inf/NaN the same way.
     """
-    validation.check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit)
-    hidden_size, vocab_size = weight.shape
+    validation.check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit,
+                            weight_layout)
+    hidden_size, vocab_size = layout.sizes(weight.shape, weight_layout)
     labels, keep, ignored = ignored_labels(labels, keep, bucket, ignore_index)
     validation.check_values(labels, keep, temperature, vocab_size)
     batch_shape = labels.shape
     num_tokens = math.prod(batch_shape)
     rows = num_tokens if keep is None else _resolve_bucket(keep, bucket, num_tokens)
     spec = HeadSpec(rows, hidden_size, vocab_size, jnp.dtype(hidden.dtype).name, softcap,
-                    with_entropy, truncated=min_logit is not None)
+                    with_entropy, truncated=min_logit is not None, weight_layout=weight_layout)
     head, made, padded = plan(impl, config, spec)
     logp, ent = run_compacted(
         head, made, padded, hidden.reshape(num_tokens, hidden_size), weight,

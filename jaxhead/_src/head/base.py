@@ -3,11 +3,13 @@
 scaffold the chunked implementations are built on (``differentiable``).
 
 An implementation works on *compacted* rows: ``h [B, H]`` (padding rows zero),
-``w [H, V_local]``, ``labels`` int32 ``[B]``, ``temperature`` float32 ``[B]`` (> 0; 1.0 on
-padding rows; the implementation forms the tile math's ``1 / temperature`` itself),
+``w [H, V_local]`` or, with ``spec.weight_layout == "vh"``, ``w [V_local, H]`` (used as it
+is: ``jaxhead._src.head.layout``), ``labels`` int32 ``[B]``, ``temperature`` float32
+``[B]`` (> 0; 1.0 on padding rows; the implementation forms the tile math's
+``1 / temperature`` itself),
 ``min_logit`` float32 ``[B]`` (read only when ``spec.truncated``); ``B`` is the padded row
 count its ``plan`` returned. It returns float32 ``(logp, entropy)`` ``[B]``,
-differentiable with respect to ``h`` and ``w``.
+differentiable with respect to ``h`` and ``w`` (``dw`` in ``w``'s layout).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
+from jaxhead._src.head import layout
 from jaxhead._src.head import math as hm
 
 
@@ -39,6 +42,7 @@ class HeadSpec:
       vocab_shards: devices of ``vocab_axis``: ``w`` holds ``V / vocab_shards`` columns.
       truncated: each row's distribution is restricted to ``{v : l_v >= min_logit}`` (and
         its label); the implementation reads the ``min_logit`` row input.
+      weight_layout: ``"hv"`` (``w [H, V]``) or ``"vh"`` (``w [V, H]``).
     """
 
     rows: int
@@ -50,11 +54,17 @@ class HeadSpec:
     vocab_axis: str | None = None
     vocab_shards: int = 1
     truncated: bool = False
+    weight_layout: str = "hv"
 
     @property
     def local_vocab(self) -> int:
-        """Columns of ``w`` on one device."""
+        """Vocabulary entries of ``w`` on one device."""
         return self.vocab_size // self.vocab_shards
+
+    @property
+    def local_weight_shape(self) -> tuple[int, int]:
+        """The shape of ``w`` on one device, in ``weight_layout``."""
+        return layout.shape(self.hidden_size, self.local_vocab, self.weight_layout)
 
 
 class HeadImplementation(Protocol):

@@ -5,6 +5,12 @@ the tile math of ``jaxhead._src.head.math``, with its own settings (``PallasTpuC
 Three kernels, tiles of ``T`` tokens by ``C`` vocab columns (``PallasTpuConfig.block_tokens``,
 ``block_vocab``); ``nt = B / T`` token tiles, ``nv = ceil(V / C)`` vocab tiles:
 
+A ``[V, H]`` weight (``HeadSpec.weight_layout == "vh"``, a tied embedding table) is read
+in ``(C, H)`` blocks instead of ``(H, C)``, contracted on its H dimension in each kernel
+(``jaxhead._src.head.layout``; Mosaic's transposed-operand matmuls), and ``dW`` is written
+as ``[C, H]`` tiles of a ``[V, H]`` gradient: no transposed copy anywhere. Below, ``[H, C]``
+stands for the weight's tile in either layout.
+
 forward, grid ``(nt "parallel", nv "arbitrary")``
   VMEM: the ``h`` tile ``[T, H]`` (fetched once per token tile: its block index does not
   change along the vocab axis), the ``w`` tile ``[H, C]`` (double-buffered stream), the
@@ -50,8 +56,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxhead import dispatch
+from jaxhead._src.head import layout, pallas_mode
 from jaxhead._src.head import math as hm
-from jaxhead._src.head import pallas_mode
 from jaxhead._src.head.base import HeadSpec, Implementation, differentiable
 from jaxhead.dispatch import KernelUnsupported
 
@@ -251,7 +257,8 @@ def _forward_kernel(h_ref, w_ref, y_ref, inv_temperature_ref, *refs, plan: TpuPl
             ref[...] = value
 
     def step(masked: bool):
-        z, _ = hm.logits(hm.matmul(h_ref[...], w_ref[...], (1, 0)), spec.softcap)
+        z, _ = hm.logits(layout.logits(h_ref[...], w_ref[...], spec.weight_layout),
+                         spec.softcap)
         valid, hit = _tile_masks(j, z.shape, vocab, y_ref[...], masked)
         inv_temperature = inv_temperature_ref[...]
         valid = hm.support(z, inv_temperature, None if ml_ref is None else ml_ref[...], hit,
@@ -277,7 +284,7 @@ def _du_tile(plan: TpuPlan, j, h, w, rows, vocab: int, masked: bool):
     call)."""
     y, inv_temperature, *rest = rows
     ml = rest.pop(0) if plan.spec.truncated else None
-    z, th = hm.logits(hm.matmul(h, w, (1, 0)), plan.spec.softcap)
+    z, th = hm.logits(layout.logits(h, w, plan.spec.weight_layout), plan.spec.softcap)
     valid, hit = _tile_masks(j, z.shape, vocab, y, masked)
     valid = hm.support(z, inv_temperature, ml, hit, valid)
     return hm.dlogits(z, th, inv_temperature, *rest, valid, hit, plan.spec.with_entropy)
@@ -291,14 +298,17 @@ def _dh_kernel(h_ref, w_ref, *refs, plan: TpuPlan, vocab: int, n_vocab_tiles: in
     def _init():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
+    lay = plan.spec.weight_layout
+    axis = layout.vocab_dim(lay)
+
     def step(masked: bool):
         w = w_ref[...]
-        if masked:  # the partial block's columns past V hold garbage: keep it out of du w^T
-            col = j * w.shape[1] + lax.broadcasted_iota(jnp.int32, w.shape, 1)
+        if masked:  # the partial block's entries past V hold garbage: keep it out of du w^T
+            col = j * w.shape[axis] + lax.broadcasted_iota(jnp.int32, w.shape, axis)
             w = jnp.where(col < vocab, w, jnp.zeros((), w.dtype))
         h = h_ref[...]
         du = _du_tile(plan, j, h, w, tuple(r[...] for r in row_refs), vocab, masked)
-        acc_ref[...] += hm.matmul(du.astype(h.dtype), w, (1, 1))
+        acc_ref[...] += layout.dhidden(du.astype(h.dtype), w, lay)
 
     _on_tiles(j, n_vocab_tiles, vocab % plan.block_vocab != 0, step)
 
@@ -319,7 +329,7 @@ def _dw_kernel(h_ref, w_ref, *refs, plan: TpuPlan, vocab: int, n_vocab_tiles: in
     def step(masked: bool):
         h = h_ref[...]
         du = _du_tile(plan, j, h, w_ref[...], tuple(r[...] for r in row_refs), vocab, masked)
-        acc_ref[...] += hm.matmul(h, du.astype(h.dtype), (0, 0))
+        acc_ref[...] += layout.dweight(h, du.astype(h.dtype), plan.spec.weight_layout)
 
     _on_tiles(j, n_vocab_tiles, vocab % plan.block_vocab != 0, step)
 
@@ -365,8 +375,21 @@ def _row_inputs(plan: TpuPlan, labels, temperature, min_logit, *rest):
     return tuple(x[:, None] for x in (labels, 1.0 / temperature, *ml, *rest))
 
 
+def _w_block(plan: TpuPlan, hidden: int, tile):
+    """The ``BlockSpec`` of vocab tile ``tile(*grid)`` of ``w``: ``(H, C)`` blocks of an
+    ``[H, V]`` weight, ``(C, H)`` blocks of a ``[V, H]`` one."""
+    c = plan.block_vocab
+    if plan.spec.weight_layout == "hv":
+        return pl.BlockSpec((hidden, c), lambda *g: (0, tile(*g)))
+    return pl.BlockSpec((c, hidden), lambda *g: (tile(*g), 0))
+
+
+def _vocab(plan: TpuPlan, w) -> int:
+    return w.shape[layout.vocab_dim(plan.spec.weight_layout)]
+
+
 def _forward(plan: TpuPlan, h, w, labels, temperature, min_logit) -> hm.Rows:
-    (rows, hidden), vocab = h.shape, w.shape[1]
+    (rows, hidden), vocab = h.shape, _vocab(plan, w)
     t, c = plan.block_tokens, plan.block_vocab
     nt, nv = rows // t, pl.cdiv(vocab, c)
     row_spec = pl.BlockSpec((t, 1), lambda i, j: (i, 0))
@@ -382,7 +405,7 @@ def _forward(plan: TpuPlan, h, w, labels, temperature, min_logit) -> hm.Rows:
     out = _call(
         kernel, plan, (nt, nv),
         [pl.BlockSpec((t, hidden), lambda i, j: (i, 0)),
-         pl.BlockSpec((hidden, c), lambda i, j: (0, j))] + [row_spec] * len(rows),
+         _w_block(plan, hidden, lambda i, j: j)] + [row_spec] * len(rows),
         [row_spec] * len(hm.Rows._fields), [row_out] * len(hm.Rows._fields),
         [pltpu.VMEM((t, 1), jnp.float32) for _ in hm.Stats._fields],
         cost,
@@ -393,7 +416,7 @@ def _forward(plan: TpuPlan, h, w, labels, temperature, min_logit) -> hm.Rows:
 def _backward(plan: TpuPlan, h, w, labels, temperature, min_logit, m, log_s, ent, g, e):
     """``(dh, dW)`` in the input dtype."""
     rows = _row_inputs(plan, labels, temperature, min_logit, m, log_s, ent, g, e)
-    (n, hidden), vocab = h.shape, w.shape[1]
+    (n, hidden), vocab = h.shape, _vocab(plan, w)
     t, c = plan.block_tokens, plan.block_vocab
     nt, nv = n // t, pl.cdiv(vocab, c)
     kw = {"plan": plan, "vocab": vocab, "n_vocab_tiles": nv}
@@ -405,7 +428,7 @@ def _backward(plan: TpuPlan, h, w, labels, temperature, min_logit, m, log_s, ent
     dh = _call(
         functools.partial(_dh_kernel, **kw), plan, (nt, nv),
         [pl.BlockSpec((t, hidden), lambda i, j: (i, 0)),
-         pl.BlockSpec((hidden, c), lambda i, j: (0, j))] + [tok_row] * len(rows),
+         _w_block(plan, hidden, lambda i, j: j)] + [tok_row] * len(rows),
         pl.BlockSpec((t, hidden), lambda i, j: (i, 0)),
         pallas_mode.out_shape(h.shape, h.dtype, h, w, g),
         [pltpu.VMEM((t, hidden), jnp.float32)],
@@ -414,13 +437,13 @@ def _backward(plan: TpuPlan, h, w, labels, temperature, min_logit, m, log_s, ent
     )(h, w, *rows)
 
     voc_row = pl.BlockSpec((t, 1), lambda j, i: (i, 0))
+    w_block = _w_block(plan, hidden, lambda j, i: j)
     dw = _call(
         functools.partial(_dw_kernel, **kw), plan, (nv, nt),
-        [pl.BlockSpec((t, hidden), lambda j, i: (i, 0)),
-         pl.BlockSpec((hidden, c), lambda j, i: (0, j))] + [voc_row] * len(rows),
-        pl.BlockSpec((hidden, c), lambda j, i: (0, j)),
+        [pl.BlockSpec((t, hidden), lambda j, i: (i, 0)), w_block] + [voc_row] * len(rows),
+        w_block,
         pallas_mode.out_shape(w.shape, w.dtype, h, w, g),
-        [pltpu.VMEM((hidden, c), jnp.float32)],
+        [pltpu.VMEM(w_block.block_shape, jnp.float32)],
         pl.CostEstimate(flops=flops, transcendentals=trans,
                         bytes_accessed=2 * hidden * vocab * b + nv * n * hidden * b + nv * 28 * n),
     )(h, w, *rows)

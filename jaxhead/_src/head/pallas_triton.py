@@ -49,8 +49,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxhead._src.head import layout, pallas_mode
 from jaxhead._src.head import math as hm
-from jaxhead._src.head import pallas_mode
 from jaxhead._src.head.base import HeadSpec, Implementation, differentiable
 from jaxhead.dispatch import KernelUnsupported
 
@@ -181,11 +181,14 @@ def make_plan(config: PallasTritonConfig | None, spec: HeadSpec) -> tuple[Triton
 # ----------------------------------------------------------------------------- kernels
 
 
-def _logits_tile(h_ref, w_ref, col0, hidden: int, width: int, blocks: PallasTritonConfig):
-    """float32 ``u [T, C] = h_tile @ w[:, col0:col0 + C]``, loads masked past ``width``/``H``."""
+def _logits_tile(h_ref, w_ref, col0, hidden: int, width: int, plan: TritonPlan):
+    """float32 ``u [T, C] = h_tile @ w_tile`` of vocab entries ``col0 ...`` (``w[:, col0:col0
+    + C]``, or ``w[col0:col0 + C, :]`` contracted on H for ``"vh"``), loads masked past
+    ``width`` / ``H``."""
+    blocks, lay = plan.blocks, plan.spec.weight_layout
     c, k = blocks.block_vocab, blocks.block_hidden
     cols = col0 + jnp.arange(c)
-    col_ok = (cols < width)[None, :] if width % c else None
+    col_ok = (cols < width) if width % c else None
 
     def step(kk, acc):
         ks = pl.ds(kk * k, k)
@@ -193,17 +196,25 @@ def _logits_tile(h_ref, w_ref, col0, hidden: int, width: int, blocks: PallasTrit
         if hidden % k:
             row_ok = (kk * k + jnp.arange(k)) < hidden
         h_mask = None if row_ok is None else row_ok[None, :]
-        w_mask = col_ok
-        if row_ok is not None:
-            w_mask = row_ok[:, None] if w_mask is None else row_ok[:, None] & w_mask
+        if lay == "hv":  # [K, C] operand tile
+            index = (ks, pl.ds(col0, c))
+            w_mask = _outer(row_ok, col_ok)
+        else:  # [C, K]
+            index = (pl.ds(col0, c), ks)
+            w_mask = _outer(col_ok, row_ok)
         h = plgpu.load(h_ref.at[:, ks], mask=h_mask, other=0.0 if h_mask is not None else None)
-        w = plgpu.load(
-            w_ref.at[ks, pl.ds(col0, c)], mask=w_mask, other=0.0 if w_mask is not None else None
-        )
-        return acc + hm.matmul(h, w, (1, 0))
+        w = plgpu.load(w_ref.at[index], mask=w_mask, other=0.0 if w_mask is not None else None)
+        return acc + layout.logits(h, w, lay)
 
     acc = jnp.zeros((blocks.block_tokens, c), jnp.float32)
     return lax.fori_loop(0, pl.cdiv(hidden, k), step, acc), cols
+
+
+def _outer(rows_ok, cols_ok):
+    """The 2-D load mask of a row mask and a column mask (either None: all in)."""
+    if rows_ok is None:
+        return None if cols_ok is None else cols_ok[None, :]
+    return rows_ok[:, None] if cols_ok is None else rows_ok[:, None] & cols_ok[None, :]
 
 
 def _masks(cols, width: int, block_vocab: int, y):
@@ -224,7 +235,7 @@ def _forward_kernel(h_ref, w_ref, y_ref, inv_temperature_ref, *refs, plan: Trito
     last = jnp.minimum(first + tiles_per_split, pl.cdiv(vocab, c))
 
     def body(j, stats):
-        u, cols = _logits_tile(h_ref, w_ref, j * c, hidden, vocab, blocks)
+        u, cols = _logits_tile(h_ref, w_ref, j * c, hidden, vocab, plan)
         z, _ = hm.logits(u, spec.softcap)
         valid, hit = _masks(cols, vocab, c, y)
         valid = hm.support(z, inv_temperature, ml, hit, valid)
@@ -243,7 +254,7 @@ def _du_kernel(h_ref, w_ref, y_ref, *refs, plan: TritonPlan, hidden: int, width:
     # inv_temperature, [min_logit], m, log_s, ent, g, e
     inv_temperature, *rest = (r[...][:, None] for r in row_refs)
     ml = rest.pop(0) if plan.spec.truncated else None
-    u, cols = _logits_tile(h_ref, w_ref, pl.program_id(1) * c, hidden, width, blocks)
+    u, cols = _logits_tile(h_ref, w_ref, pl.program_id(1) * c, hidden, width, plan)
     z, th = hm.logits(u, plan.spec.softcap)
     valid, hit = _masks(cols, width, c, y)
     valid = hm.support(z, inv_temperature, ml, hit, valid)
@@ -263,8 +274,17 @@ def _params(plan: TritonPlan):
     }
 
 
+def _vocab_dim(plan: TritonPlan) -> int:
+    return layout.vocab_dim(plan.spec.weight_layout)
+
+
+def _whole(w):
+    """The ``BlockSpec`` of all of ``w`` (the kernels index it themselves)."""
+    return pl.BlockSpec(w.shape, lambda *_: (0, 0))
+
+
 def _forward(plan: TritonPlan, h, w, labels, temperature, min_logit) -> hm.Rows:
-    (rows, hidden), vocab = h.shape, w.shape[1]
+    (rows, hidden), vocab = h.shape, w.shape[_vocab_dim(plan)]
     blocks = plan.blocks
     t, splits = blocks.block_tokens, blocks.vocab_splits
     nv = pl.cdiv(vocab, blocks.block_vocab)
@@ -283,7 +303,7 @@ def _forward(plan: TritonPlan, h, w, labels, temperature, min_logit) -> hm.Rows:
         grid=(rows // t, splits),
         in_specs=[
             pl.BlockSpec((t, hidden), lambda i, s: (i, 0)),
-            pl.BlockSpec((hidden, vocab), lambda i, s: (0, 0)),
+            _whole(w),
         ] + [row_in] * len(per_row),
         out_specs=[part] * 4,
         out_shape=[pallas_mode.out_shape((splits, rows), jnp.float32, h, w, labels)] * 4,
@@ -297,10 +317,11 @@ def _forward(plan: TritonPlan, h, w, labels, temperature, min_logit) -> hm.Rows:
 
 
 def _du_chunk(plan: TritonPlan, h, w_c, rows):
-    """``du [B, width]`` in the input dtype for the columns of ``w_c [H, width]``;
+    """``du [B, width]`` in the input dtype for the vocab entries of ``w_c`` (``[H, width]``
+    or ``[width, H]``);
     ``rows = (labels relative to the chunk, inv_temperature, [min_logit,] m, log_s,
     entropy, g, e)``, ``[B]`` each."""
-    (n, hidden), width = h.shape, w_c.shape[1]
+    (n, hidden), width = h.shape, w_c.shape[_vocab_dim(plan)]
     t, c = plan.blocks.block_tokens, plan.blocks.block_vocab
     nc = pl.cdiv(width, c)
     row_in = pl.BlockSpec((t,), lambda i, j: (i,))
@@ -309,7 +330,7 @@ def _du_chunk(plan: TritonPlan, h, w_c, rows):
         grid=(n // t, nc),
         in_specs=[
             pl.BlockSpec((t, hidden), lambda i, j: (i, 0)),
-            pl.BlockSpec((hidden, width), lambda i, j: (0, 0)),
+            _whole(w_c),
         ] + [row_in] * len(rows),
         out_specs=pl.BlockSpec((t, c), lambda i, j: (i, j)),
         out_shape=pallas_mode.out_shape((n, nc * c), h.dtype, h, w_c, *rows),
@@ -321,7 +342,8 @@ def _du_chunk(plan: TritonPlan, h, w_c, rows):
 
 def _backward(plan: TritonPlan, h, w, labels, temperature, min_logit, m, log_s, ent, g, e):
     """``(dh, dW)`` in the input dtype."""
-    vocab = w.shape[1]
+    lay, axis = plan.spec.weight_layout, _vocab_dim(plan)
+    vocab = w.shape[axis]
     chunk = plan.blocks.backward_vocab_chunk
     n_full, tail = divmod(vocab, chunk)
     inv_temperature = 1.0 / temperature  # by XLA, as in _forward
@@ -331,20 +353,21 @@ def _backward(plan: TritonPlan, h, w, labels, temperature, min_logit, m, log_s, 
     def step(carry, w_c, off):
         dh, dw = carry
         du = _du_chunk(plan, h, w_c, (labels - off, *rows))
-        dh = dh + hm.matmul(du, w_c, (1, 1))
-        dw_c = hm.matmul(h, du, (0, 0)).astype(w.dtype)
-        return dh, lax.dynamic_update_slice_in_dim(dw, dw_c, off, 1)
+        dh = dh + layout.dhidden(du, w_c, lay)
+        dw_c = layout.dweight(h, du, lay).astype(w.dtype)  # [H, Vc] or [Vc, H]
+        return dh, lax.dynamic_update_slice_in_dim(dw, dw_c, off, axis)
 
     carry = (jnp.zeros(h.shape, jnp.float32), jnp.zeros_like(w))
     if n_full:
 
         def body(carry, idx):
             off = idx * chunk
-            return step(carry, lax.dynamic_slice_in_dim(w, off, chunk, axis=1), off), None
+            return step(carry, lax.dynamic_slice_in_dim(w, off, chunk, axis=axis), off), None
 
         carry, _ = lax.scan(body, carry, jnp.arange(n_full, dtype=jnp.int32))
     if tail:
-        carry = step(carry, w[:, n_full * chunk:], n_full * chunk)
+        carry = step(carry, lax.slice_in_dim(w, n_full * chunk, vocab, axis=axis),
+                     n_full * chunk)
     dh, dw = carry
     return dh.astype(h.dtype), dw
 

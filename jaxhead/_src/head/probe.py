@@ -43,7 +43,7 @@ def _probe(head, plan, padded: int, spec: HeadSpec, platform: str | None) -> str
     dtype = jnp.dtype(spec.dtype)
     vec = jax.ShapeDtypeStruct((padded,), jnp.float32)
     args = (jax.ShapeDtypeStruct((padded, spec.hidden_size), dtype),
-            jax.ShapeDtypeStruct((spec.hidden_size, spec.local_vocab), dtype),
+            jax.ShapeDtypeStruct(spec.local_weight_shape, dtype),
             jax.ShapeDtypeStruct((padded,), jnp.int32), vec, vec)
 
     def loss(h, w, labels, temperature, min_logit):

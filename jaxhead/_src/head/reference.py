@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxhead._src import validation
+from jaxhead._src.head import layout
 from jaxhead._src.head.base import HeadSpec, Implementation
+from jaxhead._src.head.layout import WeightLayout
 from jaxhead._src.types import HeadOutput
 
 
@@ -23,6 +25,7 @@ def reference_token_logprobs(
     softcap: float | None = None,
     with_entropy: bool = True,
     min_logit=None,
+    weight_layout: WeightLayout = "hv",
 ) -> HeadOutput:
     """Log-probs and entropy from the full ``[..., V]`` logits (what plain JAX code does).
 
@@ -34,7 +37,9 @@ def reference_token_logprobs(
     their gradient: memory O(N V).
 
     Args:
-      hidden: ``[..., H]``; weight: ``[H, V]``; labels: int ``[...]``; keep: bool ``[...]``.
+      hidden: ``[..., H]``; weight: ``[H, V]`` (``weight_layout="hv"``) or ``[V, H]``
+        (``"vh"``, e.g. a tied embedding table, used as it is; its gradient is ``[V, H]``
+        too); labels: int ``[...]``; keep: bool ``[...]``.
       temperature: scalar or ``[...]``, > 0. softcap: float > 0 or None.
       with_entropy: also return the entropy.
       min_logit: None, or a float scalar / ``[...]`` threshold on the tempered logits (as
@@ -46,14 +51,16 @@ def reference_token_logprobs(
     Raises:
       ValueError / TypeError: as ``jaxhead.token_logprobs``.
     """
-    validation.check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit)
-    validation.check_values(labels, keep, temperature, weight.shape[1])
+    validation.check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit,
+                            weight_layout)
+    validation.check_values(labels, keep, temperature,
+                            layout.sizes(weight.shape, weight_layout)[1])
     dtype = jnp.promote_types(jnp.float32, hidden.dtype)
     if keep is not None:
         hidden = jnp.where(keep[..., None], hidden, jnp.zeros((), hidden.dtype))
-    u = jnp.einsum(
-        "...h,hv->...v", hidden, weight, preferred_element_type=dtype,
-        precision=jax.lax.Precision.HIGHEST,
+    u = jnp.einsum(  # contracts H in either layout: no transpose of the weight
+        "...h,hv->...v" if weight_layout == "hv" else "...h,vh->...v", hidden, weight,
+        preferred_element_type=dtype, precision=jax.lax.Precision.HIGHEST,
     )
     z = u if softcap is None else softcap * jnp.tanh(u / softcap)
     temperature = jax.lax.stop_gradient(jnp.asarray(temperature, dtype))
@@ -87,7 +94,8 @@ def _rows_head(plan: _Plan, h, w, labels, temperature, min_logit):
     """Full float32 logits of the compacted rows, plain autodiff."""
     out = reference_token_logprobs(h, w, labels, temperature=temperature,
                                    softcap=plan.spec.softcap, with_entropy=plan.spec.with_entropy,
-                                   min_logit=min_logit if plan.spec.truncated else None)
+                                   min_logit=min_logit if plan.spec.truncated else None,
+                                   weight_layout=plan.spec.weight_layout)
     ent = out.entropy if out.entropy is not None else jnp.zeros_like(out.logprobs)
     ok = (labels >= 0) & (labels < plan.spec.vocab_size)
     return jnp.where(ok, out.logprobs, jnp.nan), ent

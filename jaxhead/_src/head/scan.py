@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxhead._src.head import math as hm
+from jaxhead._src.head import layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,24 +32,26 @@ class Tuning:
         always float32)."""
         return jnp.dtype(dtype)
 
-    def dw_tile(self, h_t: jax.Array, du: jax.Array) -> jax.Array:
-        """float32 ``h_t^T @ du`` ``[H, C]``."""
-        return hm.matmul(h_t, du, (0, 0))
+    def dw_tile(self, h_t: jax.Array, du: jax.Array, weight_layout: str) -> jax.Array:
+        """float32 ``dw`` chunk in the weight's layout: ``h_t^T @ du`` ``[H, C]`` or
+        ``du^T @ h_t`` ``[C, H]``."""
+        return layout.dweight(h_t, du, weight_layout)
 
-    def dw_buffer(self, w: jax.Array) -> DwBuffer:
-        """Where the ``dw [H, V]`` chunks are written."""
-        return DwBuffer(w)
+    def dw_buffer(self, w: jax.Array, weight_layout: str) -> DwBuffer:
+        """Where the ``dw`` chunks (``w``'s shape and layout) are written."""
+        return DwBuffer(w, layout.vocab_dim(weight_layout))
 
 
 class DwBuffer:
-    """The ``dw`` output written one vocab chunk at a time (plain dynamic-update-slices)."""
+    """The ``dw`` output written one vocab chunk at a time (plain dynamic-update-slices
+    along the vocab dimension ``axis``)."""
 
-    def __init__(self, w):
-        self.dtype = w.dtype
+    def __init__(self, w, axis: int):
+        self.dtype, self.axis = w.dtype, axis
         self.init = jnp.zeros(w.shape, w.dtype)
 
     def write(self, dw, dw_c, off):
-        return lax.dynamic_update_slice_in_dim(dw, dw_c.astype(self.dtype), off, 1)
+        return lax.dynamic_update_slice_in_dim(dw, dw_c.astype(self.dtype), off, self.axis)
 
     def finish(self, dw):
         return dw
@@ -94,21 +96,23 @@ def scan(tuning: Tuning, body, carry, xs, pinned, vary=()):
     return carry, ys
 
 
-def scan_vocab(tuning: Tuning, chunk: int, step, carry, w, pinned=(), vary=()):
+def scan_vocab(tuning: Tuning, chunk: int, step, carry, w, pinned=(), vary=(), axis: int = 1):
     """Apply ``carry = step(carry, w_c, offset, *pinned)`` to every vocab chunk ``w_c`` of
-    ``w`` (in ``tuning.tile_dtype``). Full chunks run in a scan; a ragged remainder runs
-    once more with its own (narrower, static) width, so no padded vocab column exists."""
+    ``w`` (in ``tuning.tile_dtype``), sliced along its vocab dimension ``axis`` (1 for
+    ``[H, V]``, 0 for ``[V, H]``). Full chunks run in a scan; a ragged remainder runs once
+    more with its own (narrower, static) width, so no padded vocab entry exists."""
     dtype = tuning.tile_dtype(w.dtype)
-    n_full, tail = divmod(w.shape[1], chunk)
+    n_full, tail = divmod(w.shape[axis], chunk)
 
     def body(c, i, w, *pinned):
-        w_c = lax.dynamic_slice_in_dim(w, i * chunk, chunk, axis=1).astype(dtype)
+        w_c = lax.dynamic_slice_in_dim(w, i * chunk, chunk, axis=axis).astype(dtype)
         return step(c, w_c, i * chunk, *pinned), None
 
     if n_full:
         carry, _ = scan(tuning, body, carry, jnp.arange(n_full), (w, *pinned), vary)
     if tail:
-        carry = step(carry, w[:, n_full * chunk:].astype(dtype), n_full * chunk, *pinned)
+        w_c = lax.slice_in_dim(w, n_full * chunk, w.shape[axis], axis=axis).astype(dtype)
+        carry = step(carry, w_c, n_full * chunk, *pinned)
     return carry
 
 

@@ -5,7 +5,8 @@ its own kept tokens into one static bucket, optionally the vocabulary split over
 ``jax.shard_map``: no token ever moves between devices, each shard gathers its kept rows
 into ``bucket`` slots (the same static size on every shard, so one compiled program),
 and results come back split like the inputs. With ``vocab_axis`` the head weight is split
-over that axis by columns and each device scans only its columns; the per-row log-sum-exp
+over that axis along its vocab dimension (columns of ``[H, V]``, rows of ``[V, H]``) and
+each device scans only its part; the per-row log-sum-exp
 statistics are combined with ``pmax`` / ``psum`` (the XLA implementation's vocab-parallel
 mode, after Megatron-LM's vocab-parallel cross-entropy).
 
@@ -29,8 +30,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhead._src import validation
 from jaxhead._src.buckets import DEFAULT_GROWTH, DEFAULT_MULTIPLE, bucket_size
-from jaxhead._src.head import api, pallas_mode
+from jaxhead._src.head import api, layout, pallas_mode
 from jaxhead._src.head.base import HeadSpec
+from jaxhead._src.head.layout import WeightLayout
 from jaxhead._src.types import HeadOutput
 
 
@@ -132,6 +134,7 @@ def sharded_token_logprobs(
     config=None,
     min_logit=None,
     ignore_index: int | None = -100,
+    weight_layout: WeightLayout = "hv",
 ) -> HeadOutput:
     """``jaxhead.token_logprobs`` with the tokens split over mesh axes, compacted per shard.
 
@@ -140,7 +143,8 @@ def sharded_token_logprobs(
     ``bucket`` slots and runs the head on them (``jax.shard_map``). Without
     ``vocab_axis``, ``weight`` is used whole on every device (the compiler gathers it if
     it is stored sharded), and every ``impl`` is available. With ``vocab_axis``, device
-    ``k`` of that axis uses columns ``[k V/n, (k+1) V/n)`` of ``weight`` (an XLA
+    ``k`` of that axis uses vocabulary entries ``[k V/n, (k+1) V/n)`` of ``weight``
+    (columns of ``[H, V]``, rows of ``[V, H]``: its vocab dimension is split; an XLA
     implementation: the kernels have no vocab-parallel variant, so ``"auto"`` uses XLA) and
     the statistics are combined over the axis with ``pmax`` / ``psum``; the tokens are
     replicated over it (the compiler gathers ``hidden`` over that axis if it arrives split
@@ -149,7 +153,8 @@ def sharded_token_logprobs(
     Works eagerly and under ``jax.jit`` (in/out shardings or not).
 
     Args:
-      hidden: ``[B, ..., H]`` float; weight: ``[H, V]``, same dtype.
+      hidden: ``[B, ..., H]`` float; weight: ``[H, V]`` (``weight_layout="hv"``) or
+        ``[V, H]`` (``"vh"``, e.g. a tied embedding table, used as it is), same dtype.
       labels: int ``[B, ...]``; keep: bool ``[B, ...]`` or None (all tokens).
       mesh: a ``jax.sharding.Mesh`` (or ``AbstractMesh`` under ``jit``); None: the mesh
         set with ``jax.set_mesh``.
@@ -159,14 +164,15 @@ def sharded_token_logprobs(
       bucket: static number of slots per token shard (``bucket_for_shards`` on the host).
         None: with a concrete ``keep``, chosen here by ``bucket_for_shards``; with a traced
         one, the shard's token count (correct, no saving).
-      temperature, softcap, with_entropy, impl, config, min_logit, ignore_index: as
-        ``jaxhead.token_logprobs``
+      temperature, softcap, with_entropy, impl, config, min_logit, ignore_index,
+        weight_layout: as ``jaxhead.token_logprobs``
         (with ``vocab_axis``, an explicit kernel ``impl`` raises ``KernelUnsupported``).
 
     Returns:
       ``HeadOutput(logprobs, entropy)`` float32 ``[B, ...]``, split like ``labels``; 0
       (and zero gradient) where not kept; NaN for a kept token that overflows its shard's
-      bucket under ``jit``. Differentiable w.r.t. ``hidden`` and ``weight``.
+      bucket under ``jit``. Differentiable w.r.t. ``hidden`` and ``weight`` (its gradient
+      in ``weight_layout``).
 
     Raises:
       ValueError: as ``jaxhead.token_logprobs``; a leading axis not divisible by the token
@@ -176,15 +182,17 @@ def sharded_token_logprobs(
         smaller than a shard's kept count. No mesh given or set.
       TypeError: as ``jaxhead.token_logprobs``.
     """
-    validation.check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit)
+    validation.check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit,
+                            weight_layout)
+    hidden_size, vocab_size = layout.sizes(weight.shape, weight_layout)
     labels, keep, ignored = api.ignored_labels(labels, keep, bucket, ignore_index)
     if _fully_known(labels, keep, temperature):
-        validation.check_values(labels, keep, temperature, weight.shape[1])
+        validation.check_values(labels, keep, temperature, vocab_size)
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if mesh.empty:
         raise ValueError("no mesh: pass mesh= or call under jax.set_mesh(mesh)")
     token_axes = tuple(token_axes)
-    _check_axes(mesh, token_axes, vocab_axis, weight.shape[1])
+    _check_axes(mesh, token_axes, vocab_axis, vocab_size)
     if labels.ndim < 1:
         raise ValueError(f"labels need a leading batch axis to split, got shape {labels.shape}")
     shards = _axis_size(mesh, token_axes)
@@ -207,8 +215,9 @@ def sharded_token_logprobs(
     tokens = math.prod(labels.shape) // shards
     rows = tokens if keep is None else min(tokens if bucket is None else bucket, tokens)
     n_vocab = 1 if vocab_axis is None else _axis_size(mesh, (vocab_axis,))
-    spec = HeadSpec(rows, weight.shape[0], weight.shape[1], jnp.dtype(hidden.dtype).name,
-                    softcap, with_entropy, vocab_axis, n_vocab, min_logit is not None)
+    spec = HeadSpec(rows, hidden_size, vocab_size, jnp.dtype(hidden.dtype).name,
+                    softcap, with_entropy, vocab_axis, n_vocab, min_logit is not None,
+                    weight_layout)
     with pallas_mode.per_device(mesh):  # a plan for one of mesh's devices, in shard_map
         head, made, padded = api.plan(impl, config, spec)
 
@@ -216,7 +225,8 @@ def sharded_token_logprobs(
                                                                 labels.shape)]
     tok = P(token_axes or None)
     args = [hidden, weight, labels, *per_row] + ([] if keep is None else [keep])
-    specs = [tok, P(None, vocab_axis), tok, tok, tok] + ([] if keep is None else [tok])
+    w_spec = P(None, vocab_axis) if weight_layout == "hv" else P(vocab_axis, None)
+    specs = [tok, w_spec, tok, tok, tok] + ([] if keep is None else [tok])
 
     def body(h, w, y, temperature, min_logit, k=None):
         w = jax.lax.pcast(w, token_axes, to="varying") if token_axes else w

@@ -3,7 +3,8 @@
 logit tile. The baseline the Pallas kernels are tested against; with a ``vocab_axis`` it is
 also the vocab-parallel head.
 
-Forward: for each token chunk ``[T, H]`` (a scan), for each vocab chunk ``[H, C]`` (a
+Forward: for each token chunk ``[T, H]`` (a scan), for each vocab chunk ``[H, C]`` (``[C,
+H]`` of a ``"vh"`` weight, contracted on its H dimension: ``jaxhead._src.head.layout``; a
 scan; a ragged last chunk runs once more at its own width, so no padded column exists),
 ``u = h @ w_c`` in float32, then ``math.update``. Residuals: the inputs, ``m``, ``log s``
 and the entropy (``[B]`` float32 each).
@@ -13,7 +14,7 @@ matmuls, which accumulate in float32, as in Liger-Kernel and Cut Cross-Entropy).
 orders:
 
 * fused (vocab outer, tokens inner): one recompute; ``dh`` accumulates in a float32
-  ``[B, H]`` buffer and each ``dw`` chunk in a float32 ``[H, C]`` one. Used while that
+  ``[B, H]`` buffer and each ``dw`` chunk in a float32 ``[H, C]`` (``[C, H]``) one. Used while that
   ``[B, H]`` buffer is at most ``XlaConfig.fused_backward_max_bytes``.
 * two-pass: tokens outer for ``dh`` (float32 ``[T, H]`` per chunk), then vocab outer for
   ``dw``: one more recompute, but temporaries independent of B, so memory stays flat as
@@ -39,6 +40,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from jaxhead._src.head import layout
 from jaxhead._src.head import math as hm
 from jaxhead._src.head import scan as sc
 from jaxhead._src.head.base import HeadSpec, Implementation, differentiable
@@ -122,21 +124,25 @@ def _chunk_stats(plan: XlaPlan, h_t, w, y_t, temperature_t, ml_t) -> hm.Stats:
     y, ml = y_t[:, None], _min_logit(plan, ml_t)
 
     def step(stats, w_c, off):
-        z, _ = hm.logits(hm.matmul(h_t, w_c, (1, 0)), spec.softcap)
+        z, _ = hm.logits(layout.logits(h_t, w_c, spec.weight_layout), spec.softcap)
         hit = (lax.broadcasted_iota(jnp.int32, z.shape, 1) + off) == y
         valid = hm.support(z, inv_temperature, ml, hit)
         return hm.update(stats, z, inv_temperature, valid, hit, spec.with_entropy)
 
     init = hm.init_stats((h_t.shape[0], 1))
     return sc.scan_vocab(plan.tuning, plan.vocab_chunk, step, init, w,
-                         vary=(h_t, y_t, temperature_t, ml_t))
+                         vary=(h_t, y_t, temperature_t, ml_t), axis=_vocab_dim(plan))
+
+
+def _vocab_dim(plan: XlaPlan) -> int:
+    return layout.vocab_dim(plan.spec.weight_layout)
 
 
 def _local_labels(plan: XlaPlan, labels, w):
-    """Labels as column indices of this device's ``w`` (outside ``[0, V/n)``: not here)."""
+    """Labels as vocab indices of this device's ``w`` (outside ``[0, V/n)``: not here)."""
     if plan.spec.vocab_axis is None:
         return labels
-    return labels - lax.axis_index(plan.spec.vocab_axis) * w.shape[1]
+    return labels - lax.axis_index(plan.spec.vocab_axis) * w.shape[_vocab_dim(plan)]
 
 
 def _forward(plan: XlaPlan, h, w, labels, temperature, min_logit) -> hm.Rows:
@@ -168,7 +174,7 @@ def _du_tile(plan: XlaPlan, h_t, w_c, off, y_t, temperature_t, ml_t, m_t, ls_t, 
     """``dL/du`` of one ``[T, C]`` tile, in the tile dtype, ready for the two matmuls."""
     spec = plan.spec
     inv_temperature = 1.0 / temperature_t[:, None]
-    z, th = hm.logits(hm.matmul(h_t, w_c, (1, 0)), spec.softcap)
+    z, th = hm.logits(layout.logits(h_t, w_c, spec.weight_layout), spec.softcap)
     hit = (lax.broadcasted_iota(jnp.int32, z.shape, 1) + off) == y_t[:, None]
     valid = hm.support(z, inv_temperature, _min_logit(plan, ml_t), hit)
     per_row = (m_t, ls_t, ent_t, g_t, e_t)
@@ -179,7 +185,7 @@ def _du_tile(plan: XlaPlan, h_t, w_c, off, y_t, temperature_t, ml_t, m_t, ls_t, 
 
 def _backward_fused(plan: XlaPlan, xs, h, w, dh_dtype):
     """Vocab outer, tokens inner: one recompute, float32 ``dh [B, H]`` accumulator."""
-    tc, tuning = plan.token_chunk, plan.tuning
+    tc, tuning, lay = plan.token_chunk, plan.tuning, plan.spec.weight_layout
     dtype = tuning.tile_dtype(h.dtype)
 
     def vocab_step(carry, w_c, off, h):
@@ -189,32 +195,33 @@ def _backward_fused(plan: XlaPlan, xs, h, w, dh_dtype):
             dw_c, dh_acc = inner
             h_t = sc.rows(h, x[0], tc, dtype)
             du = _du_tile(plan, h_t, w_c, off, *x[1:])
-            dh_t = sc.rows(dh_acc, x[0], tc) + hm.matmul(du, w_c, (1, 1))
-            return (dw_c + tuning.dw_tile(h_t, du), sc.put_rows(dh_acc, x[0], dh_t)), None
+            dh_t = sc.rows(dh_acc, x[0], tc) + layout.dhidden(du, w_c, lay)
+            return (dw_c + tuning.dw_tile(h_t, du, lay), sc.put_rows(dh_acc, x[0], dh_t)), None
 
         init = (jnp.zeros(w_c.shape, jnp.float32), dh_acc)
         (dw_c, dh_acc), _ = sc.scan(tuning, token_step, init, xs, (h, w_c))
         return dh_acc, out.write(dw, dw_c, off)
 
-    out = tuning.dw_buffer(w)
+    out = tuning.dw_buffer(w, lay)
     init = (jnp.zeros(h.shape, jnp.float32), out.init)
-    dh, dw = sc.scan_vocab(tuning, plan.vocab_chunk, vocab_step, init, w, (h,), vary=xs)
+    dh, dw = sc.scan_vocab(tuning, plan.vocab_chunk, vocab_step, init, w, (h,), vary=xs,
+                           axis=_vocab_dim(plan))
     return dh.astype(dh_dtype), out.finish(dw)
 
 
 def _backward_two_pass(plan: XlaPlan, xs, h, w, dh_dtype):
     """Tokens outer for ``dh``, then vocab outer for ``dw``: temporaries independent of B."""
-    tc, tuning = plan.token_chunk, plan.tuning
-    dtype = tuning.tile_dtype(h.dtype)
+    tc, tuning, lay = plan.token_chunk, plan.tuning, plan.spec.weight_layout
+    dtype, axis = tuning.tile_dtype(h.dtype), _vocab_dim(plan)
 
     def dh_chunk(dh, x, h, w):
         h_t = sc.rows(h, x[0], tc, dtype)
 
         def step(acc, w_c, off):
-            return acc + hm.matmul(_du_tile(plan, h_t, w_c, off, *x[1:]), w_c, (1, 1))
+            return acc + layout.dhidden(_du_tile(plan, h_t, w_c, off, *x[1:]), w_c, lay)
 
         init = jnp.zeros(h_t.shape, jnp.float32)
-        acc = sc.scan_vocab(tuning, plan.vocab_chunk, step, init, w, vary=(h_t, x))
+        acc = sc.scan_vocab(tuning, plan.vocab_chunk, step, init, w, vary=(h_t, x), axis=axis)
         return sc.put_rows(dh, x[0], acc), None
 
     dh, _ = sc.scan(tuning, dh_chunk, jnp.zeros(h.shape, dh_dtype), xs, (h, w))
@@ -222,13 +229,14 @@ def _backward_two_pass(plan: XlaPlan, xs, h, w, dh_dtype):
     def dw_step(dw, w_c, off, h):
         def token_step(acc, x, h, w_c):
             h_t = sc.rows(h, x[0], tc, dtype)
-            return acc + tuning.dw_tile(h_t, _du_tile(plan, h_t, w_c, off, *x[1:])), None
+            return acc + tuning.dw_tile(h_t, _du_tile(plan, h_t, w_c, off, *x[1:]), lay), None
 
         acc, _ = sc.scan(tuning, token_step, jnp.zeros(w_c.shape, jnp.float32), xs, (h, w_c))
         return out.write(dw, acc, off)
 
-    out = tuning.dw_buffer(w)
-    dw = sc.scan_vocab(tuning, plan.vocab_chunk, dw_step, out.init, w, (h,), vary=xs)
+    out = tuning.dw_buffer(w, lay)
+    dw = sc.scan_vocab(tuning, plan.vocab_chunk, dw_step, out.init, w, (h,), vary=xs,
+                       axis=axis)
     return dh, out.finish(dw)
 
 

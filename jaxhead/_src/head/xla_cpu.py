@@ -13,8 +13,8 @@ on both); only how XLA:CPU is steered differs:
   temporary).
 * On CPUs without bf16 matrix units (no AMX, no AVX512-BF16) 16-bit tiles are widened to
   float32 before the matmuls (faster there, and exact).
-* ``h^T`` is materialised before ``h^T du``: XLA's CPU dot runs a transposed-operand
-  product at about half speed.
+* ``h^T`` is materialised before ``h^T du`` (``du^T`` before ``du^T h`` for a ``"vh"``
+  weight): XLA's CPU dot runs a transposed-operand product at about half speed.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
+from jaxhead._src.head import layout, xla
 from jaxhead._src.head import math as hm
 from jaxhead._src.head import scan as sc
-from jaxhead._src.head import xla
 from jaxhead._src.head.base import HeadSpec, Implementation
 
 
@@ -61,13 +61,13 @@ class XlaCpuConfig(xla.XlaConfig):
 class _BitsDwBuffer(sc.DwBuffer):
     """``dw`` written through a ``uint16`` view (see the module docstring)."""
 
-    def __init__(self, w):
-        self.dtype = w.dtype
+    def __init__(self, w, axis: int):
+        self.dtype, self.axis = w.dtype, axis
         self.init = jnp.zeros(w.shape, jnp.uint16)
 
     def write(self, dw, dw_c, off):
         update = lax.bitcast_convert_type(dw_c.astype(self.dtype), jnp.uint16)
-        return lax.dynamic_update_slice_in_dim(dw, update, off, 1)
+        return lax.dynamic_update_slice_in_dim(dw, update, off, self.axis)
 
     def finish(self, dw):
         return lax.bitcast_convert_type(dw, self.dtype)
@@ -86,11 +86,14 @@ class CpuTuning(sc.Tuning):
         dtype = jnp.dtype(dtype)
         return jnp.dtype(jnp.float32) if self.widen_16bit and dtype.itemsize == 2 else dtype
 
-    def dw_tile(self, h_t, du):
-        return hm.matmul(lax.optimization_barrier(h_t.T), du, (1, 0))
+    def dw_tile(self, h_t, du, weight_layout):
+        if weight_layout == "hv":  # h^T du [H, C]
+            return hm.matmul(lax.optimization_barrier(h_t.T), du, (1, 0))
+        return hm.matmul(lax.optimization_barrier(du.T), h_t, (1, 0))  # du^T h [C, H]
 
-    def dw_buffer(self, w) -> sc.DwBuffer:
-        return _BitsDwBuffer(w) if self.dw_as_bits else sc.DwBuffer(w)
+    def dw_buffer(self, w, weight_layout) -> sc.DwBuffer:
+        axis = layout.vocab_dim(weight_layout)
+        return _BitsDwBuffer(w, axis) if self.dw_as_bits else sc.DwBuffer(w, axis)
 
 
 def make_plan(config: XlaCpuConfig | None, spec: HeadSpec) -> tuple[xla.XlaPlan, int]:

@@ -30,13 +30,16 @@ class TunixHead:
         ``model.embedder``). Every ``nnx.Param`` in it (LoRA parameters included) must be
         ``weight`` or ``bias``: ``head_of`` refuses a head with others, which the adapter
         would leave without a gradient.
-      weight: ``[H, V]`` head weight (a tied embedding's ``[V, H]`` table transposed).
+      weight: the head weight in ``weight_layout``: ``[H, V]``, or a tied embedding's
+        ``[V, H]`` table as it is (no transposed copy; its gradient arrives ``[V, H]``).
       dtype: the dtype the model computes its logits in (``config.dtype`` for Qwen3):
         hidden states, weight and bias are cast to it, as the model's own head does;
         jaxhead then accumulates the logits in float32 (Tunix's own head rounds them to
         ``dtype``).
       bias: optional ``[V]`` bias added to the logits (``nnx.Linear(use_bias=True)``).
       softcap: final-logit soft-cap ``c`` (``z = c * tanh(u / c)``, Gemma 2 style) or None.
+      weight_layout: ``"hv"`` (``weight [H, V]``) or ``"vh"`` (``weight [V, H]``), passed
+        to ``jaxhead.token_logprobs`` / ``jaxhead.sample``.
     """
 
     module: nnx.Module
@@ -44,24 +47,28 @@ class TunixHead:
     dtype: Any
     bias: jax.Array | None = None
     softcap: float | None = None
+    weight_layout: str = "hv"
 
     def operands(self, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(hidden', weight')`` in ``dtype`` with ``hidden' @ weight' = hidden @ weight +
         bias``, what ``jaxhead.token_logprobs`` / ``jaxhead.sample`` take.
 
         A bias is folded in exactly: ``hidden'`` is ``hidden [..., H]`` with a column of
-        ones appended, ``weight'`` is ``weight`` with the bias appended as row ``H``, so
-        every implementation (kernels, sharded, sampler) adds it inside its own float32
-        accumulation and the bias gradient is the weight gradient's row ``H``
-        (``sum_t dL/dlogit_t``). The price: a copy of the weight with one more row, and a
-        hidden size of ``H + 1``. Without a bias the inputs are only cast.
+        ones appended, ``weight'`` is ``weight`` with the bias appended at hidden index
+        ``H`` (a row of ``[H, V]``, a column of ``[V, H]``), so every implementation
+        (kernels, sharded, sampler) adds it inside its own float32 accumulation and the bias
+        gradient is the weight gradient's hidden index ``H`` (``sum_t dL/dlogit_t``). The
+        price: a copy of the weight with one more hidden entry, and a hidden size of
+        ``H + 1``. Without a bias the inputs are only cast.
         """
         hidden, weight = hidden.astype(self.dtype), self.weight.astype(self.dtype)
         if self.bias is None:
             return hidden, weight
         ones = jnp.ones(hidden.shape[:-1] + (1,), self.dtype)
+        bias = self.bias.astype(self.dtype)
+        bias = bias[None, :] if self.weight_layout == "hv" else bias[:, None]
         return (jnp.concatenate([hidden, ones], axis=-1),
-                jnp.concatenate([weight, self.bias.astype(self.dtype)[None, :]], axis=0))
+                jnp.concatenate([weight, bias], axis=0 if self.weight_layout == "hv" else 1))
 
 
 _HEADS: dict[type, Callable[[nnx.Module], TunixHead]] = {}
@@ -92,12 +99,13 @@ def register_model(model_cls: type, head: Callable[[nnx.Module], TunixHead]) -> 
 
 def _qwen_head(model) -> TunixHead:
     """Qwen3 / Qwen2 (``tunix/models/qwen3/model.py``): ``logits = embedder.decode(x)`` =
-    ``x @ input_embedding.T`` when ``config.use_tied_embedding``, else ``lm_head(x)`` =
+    ``x @ input_embedding.T`` when ``config.use_tied_embedding`` (the ``[V, H]`` table is
+    used as it is: ``weight_layout="vh"``), else ``lm_head(x)`` =
     ``einsum('BTD,DV->BTV', x, lm_head.w)``, both in ``config.dtype``."""
     cfg = model.config
     if cfg.use_tied_embedding:
-        return TunixHead(module=model.embedder, weight=model.embedder.input_embedding[...].T,
-                         dtype=cfg.dtype)
+        return TunixHead(module=model.embedder, weight=model.embedder.input_embedding[...],
+                         dtype=cfg.dtype, weight_layout="vh")
     return TunixHead(module=model.lm_head, weight=model.lm_head.w[...], dtype=cfg.dtype)
 
 

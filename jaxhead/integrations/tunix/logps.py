@@ -149,6 +149,7 @@ def compute_per_token_logps(
         None if bucket is None else keep,
         temperature=1.0 if temperature in (0.0, 1.0) else temperature,
         softcap=head.softcap, with_entropy=return_entropy, bucket=bucket, impl=impl,
+        weight_layout=head.weight_layout,
     )
     results = [out.logprobs] + ([out.entropy] if return_entropy else [])
     results = [jnp.where(keep, x, 0.0) for x in results]
