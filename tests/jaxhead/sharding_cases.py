@@ -71,3 +71,45 @@ def head_case() -> dict:
             "out_spec": str(out.logprobs.sharding.spec),
         }
     return results
+
+
+def weight_layout_case() -> dict:
+    """The sharded head with a ``[V, H]`` weight (``weight_layout="vh"``, the vocab-parallel
+    split along its dim 0) vs ``jaxhead.token_logprobs`` with ``[H, V]`` on one device: max
+    differences of values and gradients (the weight's transposed back), the weight
+    gradient's shape and, vocab-parallel, its sharding."""
+    mesh = mesh_2x4()
+    b, s, h, v = 8, 32, 64, 2048
+    hidden, weight, labels = head_inputs(1, b * s, h, v)
+    hidden, labels = hidden.reshape(b, s, h), labels.reshape(b, s)
+    rng = np.random.default_rng(1)
+    keep = rng.random((b, s)) < 0.5
+    temp = rng.uniform(0.6, 1.4, (b, s)).astype(np.float32)
+    g = (rng.standard_normal((b, s)) / keep.sum()).astype(np.float32)
+    e = (rng.standard_normal((b, s)) / keep.sum()).astype(np.float32)
+    kw = {"temperature": temp, "softcap": 25.0,
+          "config": jaxhead.XlaConfig(token_chunk=16, vocab_chunk=192)}
+
+    def value_and_grad(head, w):
+        def loss(hd, w):
+            out = head(hd, w)
+            return jnp.sum(g * out.logprobs) + jnp.sum(e * out.entropy), out
+
+        return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(hidden, w)
+
+    (_, ref), ref_grads = value_and_grad(
+        lambda hd, w: jaxhead.token_logprobs(hd, w, labels, keep, **kw), weight)
+    results = {}
+    for name, axes in HEAD_CONFIGS.items():
+        (_, out), (dh, dw) = value_and_grad(
+            lambda hd, w, axes=axes: jaxhead.sharded_token_logprobs(
+                hd, w, labels, keep, mesh=mesh, weight_layout="vh", **axes, **kw), weight.T)
+        results[name] = {
+            "logprobs": max_abs(out.logprobs, ref.logprobs),
+            "entropy": max_abs(out.entropy, ref.entropy),
+            "dhidden": max_abs(dh, ref_grads[0]),
+            "dweight": max_abs(dw.T, ref_grads[1]),
+            "dweight_shape": list(dw.shape),
+            "dweight_spec": str(dw.sharding.spec),
+        }
+    return results
