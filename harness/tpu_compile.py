@@ -58,6 +58,7 @@ class Case:
     impl: str = "pallas_tpu"
     mode: str = "plain"  # plain | sharded | vocab
     config: jaxhead.PallasTpuConfig | None = None
+    weight_layout: str = "hv"  # "vh": the weight [V, H], as a tied embedding table
 
     @property
     def shape(self) -> str:
@@ -72,7 +73,8 @@ class Case:
     @property
     def options(self) -> str:
         opts = ["cap"] * bool(self.softcap) + ["temp"] * self.token_temp
-        return "+".join(opts + ["minl"] * self.min_logit) or "-"
+        opts += ["minl"] * self.min_logit + ["vh"] * (self.weight_layout == "vh")
+        return "+".join(opts) or "-"
 
 
 #: The shapes of issue 14 and Qwen3-30B-A3B's head (4096 tokens per chip).
@@ -110,16 +112,20 @@ def step(case: Case, mesh: Mesh):
     dtype = jnp.dtype(case.dtype)
     tok = NamedSharding(mesh, P("data") if case.mode != "plain" else P())
     rep = NamedSharding(mesh, P())
-    w_sharding = NamedSharding(mesh, P(None, "vocab")) if case.mode == "vocab" else rep
+    vh = case.weight_layout == "vh"
+    w_spec = P("vocab", None) if vh else P(None, "vocab")
+    w_sharding = NamedSharding(mesh, w_spec) if case.mode == "vocab" else rep
+    w_shape = (case.vocab, case.hidden) if vh else (case.hidden, case.vocab)
     per_row = jax.ShapeDtypeStruct((case.n,), jnp.float32, sharding=tok)
     args = (
         jax.ShapeDtypeStruct((case.n, case.hidden), dtype, sharding=tok),
-        jax.ShapeDtypeStruct((case.hidden, case.vocab), dtype, sharding=w_sharding),
+        jax.ShapeDtypeStruct(w_shape, dtype, sharding=w_sharding),
         jax.ShapeDtypeStruct((case.n,), jnp.int32, sharding=tok),
         per_row if case.token_temp else None,
         per_row if case.min_logit else None,
     )
-    kw = {"softcap": case.softcap, "impl": case.impl, "config": case.config}
+    kw = {"softcap": case.softcap, "impl": case.impl, "config": case.config,
+          "weight_layout": case.weight_layout}
 
     def loss(h, w, labels, temp, min_logit):
         temp = 1.0 if temp is None else temp
@@ -139,7 +145,7 @@ def tpu_plan(case: Case, mesh: Mesh):
     """The ``pallas_tpu`` plan of one device's rows, made for ``mesh``'s generation."""
     rows = case.n // (4 if case.mode == "sharded" else 1)
     spec = HeadSpec(rows, case.hidden, case.vocab, case.dtype, case.softcap, True,
-                    truncated=case.min_logit)
+                    truncated=case.min_logit, weight_layout=case.weight_layout)
     with pallas_mode.per_device(mesh):
         return pallas_tpu.make_plan(case.config, spec)
 
@@ -184,7 +190,7 @@ def kernel_vmem(case: Case, devices) -> tuple[float, float, float]:
     dtype = jnp.dtype(case.dtype)
     vec = jax.ShapeDtypeStruct((padded,), jnp.float32)
     args = (jax.ShapeDtypeStruct((padded, case.hidden), dtype),
-            jax.ShapeDtypeStruct((case.hidden, case.vocab), dtype),
+            jax.ShapeDtypeStruct(plan.spec.local_weight_shape, dtype),
             jax.ShapeDtypeStruct((padded,), jnp.int32), vec, vec)
     kernels = (
         (lambda p: lambda *a: pallas_tpu._forward(p, *a), args),

@@ -50,12 +50,15 @@ class TritonCase:
     dtype: str
     softcap: float | None = None
     token_temp: bool = False
+    weight_layout: str = "hv"  # "vh": the weight [V, H], as a tied embedding table
 
 
-#: bf16 Qwen vocabulary; soft-cap + per-token temperature with a ragged vocabulary (no
-#: power-of-two tile divides 151665, Qwen2.5's real token count); float32.
+#: bf16 Qwen vocabulary (also as a ``[V, H]`` tied table); soft-cap + per-token temperature
+#: with a ragged vocabulary (no power-of-two tile divides 151665, Qwen2.5's real token
+#: count); float32.
 CASES = (
     TritonCase("qwen-bf16", 4096, 4096, 151936, "bfloat16"),
+    TritonCase("qwen-bf16-vh", 4096, 4096, 151936, "bfloat16", weight_layout="vh"),
     TritonCase("cap-temp-ragged", 2056, 5120, 151665, "bfloat16", softcap=30.0,
                token_temp=True),
     TritonCase("f32-temp", 1024, 2048, 32000, "float32", token_temp=True),
@@ -93,12 +96,14 @@ def lowered_kernels(case: TritonCase) -> list[Kernel]:
     dtype = jnp.dtype(case.dtype)
     vec = jax.ShapeDtypeStruct((case.n,), jnp.float32)
     args = (jax.ShapeDtypeStruct((case.n, case.hidden), dtype),
-            jax.ShapeDtypeStruct((case.hidden, case.vocab), dtype),
+            jax.ShapeDtypeStruct((case.vocab, case.hidden) if case.weight_layout == "vh"
+                                 else (case.hidden, case.vocab), dtype),
             jax.ShapeDtypeStruct((case.n,), jnp.int32), vec)
 
     def loss(h, w, labels, temp):
         out = jaxhead.token_logprobs(h, w, labels, temperature=temp if case.token_temp else 1.0,
-                                     softcap=case.softcap, impl="pallas_triton")
+                                     softcap=case.softcap, impl="pallas_triton",
+                                     weight_layout=case.weight_layout)
         return jnp.sum(out.logprobs) + jnp.sum(out.entropy)
 
     with dispatch.compile_for("gpu"):

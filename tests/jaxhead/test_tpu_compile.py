@@ -7,8 +7,9 @@ one head configuration for a topology of ``jax.experimental.topologies``; see th
 Default run (~4 min on 2 cores): every plan of the full grid (no compile: tiles and VMEM
 limit within each generation's VMEM), the ``impl="auto"`` choices and fallbacks (lowered
 only), and a representative set of compiles: each issue-14 failure (``pallas_tpu`` inside
-``sharded_token_logprobs``; the Pallas head on v4 and on v5p float32) and the
-vocab-parallel XLA head with every option.
+``sharded_token_logprobs``; the Pallas head on v4 and on v5p float32), the
+vocab-parallel XLA head with every option, and the Pallas head on a ``[V, H]`` weight
+(``weight_layout="vh"``) on v6e and v5e.
 
 Full grid (~80 compiles, over an hour on 2 cores): 4 generations x the 4 shapes of
 ``SHAPES`` (8192x4096x151936 bf16; 2056x5120x152064 bf16 soft-cap + per-token temperature;
@@ -51,6 +52,9 @@ REPRESENTATIVE = [
     ("v5p", _case("f32-temp", "pallas_tpu", "plain")),  # v5p float32 dh overran its limit
     ("v5e", dataclasses.replace(_case("f32-temp", "xla", "vocab"), softcap=tc.SOFTCAP,
                                 min_logit=True)),  # vocab-parallel, every option
+    # a [V, H] weight (a tied embedding table): (C, H) blocks, [C, H] dW tiles
+    ("v6e", dataclasses.replace(_case("qwen3-30b", "pallas_tpu", "plain"), weight_layout="vh")),
+    ("v5e", dataclasses.replace(_case("cap-temp", "pallas_tpu", "plain"), weight_layout="vh")),
 ]
 GRID = [(gen, case) for gen in tc.TOPOLOGIES for case in
         [_case(s, impl, mode) for s in tc.SHAPES for impl in ("xla", "pallas_tpu")

@@ -2,9 +2,9 @@
 
 Needs the ``triton`` package (``pip install triton``; brings ``ptxas`` and ``cuobjdump``),
 not a GPU; skipped without it. For each case of ``harness/triton_compile.CASES``
-(bf16 Qwen vocabulary; soft-cap + per-token temperature with a ragged vocabulary; float32
-with per-token temperature) the forward kernel and the backward's ``du`` kernel are
-lowered for cuda on CPU and compiled by Triton for sm_90 (H100 / H200): no local memory
+(bf16 Qwen vocabulary, as ``[H, V]`` and as a ``[V, H]`` tied table; soft-cap + per-token
+temperature with a ragged vocabulary; float32 with per-token temperature) the forward
+kernel and the backward's ``du`` kernel are lowered for cuda on CPU and compiled by Triton for sm_90 (H100 / H200): no local memory
 (no register spills) and at most 227 KiB of shared memory per block. About 3 minutes on 2
 cores on a cold Triton cache (``~/.triton/cache``), seconds on a warm one.
 

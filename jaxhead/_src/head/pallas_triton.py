@@ -36,6 +36,11 @@ backward
 ``B`` is a multiple of ``T`` (the padded row count of ``plan``); ``V`` need not be a multiple of ``C`` (loads past ``V`` are masked to 0,
 those columns enter the statistics as ``-inf`` and get ``du = 0``; nothing is stored past
 the chunk). float32 matmuls use IEEE float32 (``Precision.HIGHEST``), not TF32.
+
+A ``[V, H]`` weight (``HeadSpec.weight_layout == "vh"``, a tied embedding table) is read in
+``[C, K]`` tiles contracted on K (``jaxhead._src.head.layout``), its backward chunks are row
+blocks ``w_c [Vc, H]`` and ``d W_c = du^T h`` is ``[Vc, H]``: no transposed copy. 16-bit
+``"vh"`` calls default to ``C = 128`` (``default_config``).
 """
 
 from __future__ import annotations
@@ -100,7 +105,8 @@ class TritonPlan:
     interpret: str | None
 
 
-def default_config(dtype, softcap: bool = False) -> PallasTritonConfig:
+def default_config(dtype, softcap: bool = False,
+                   weight_layout: str = "hv") -> PallasTritonConfig:
     """Starting tiles for H100 / H200 (sm_90, 228 KiB shared memory per SM).
 
     16-bit inputs: ``T=64, C=256, K=64``, 8 warps, 3 stages: a 64 KiB float32 logit tile
@@ -108,12 +114,15 @@ def default_config(dtype, softcap: bool = False) -> PallasTritonConfig:
     ``2 T C H / (2 T H) = C`` = 256 FLOPs per byte of the ``h`` panel re-read for each vocab
     tile. With a soft-cap ``C=128``: the ``tanh`` of the tile needs the registers (at
     ``C=256`` the forward used all 255 and spilled on sm_90, Triton 3.9; ``C=128``: 145,
-    ``tests/jaxhead/test_triton_compile.py``). float32 (IEEE, no tensor-core fast path;
-    meant for checks, not speed): ``T=64, C=128, K=32``, 8 warps, 2 stages. Tune on the
-    device; all are overridable.
+    ``tests/jaxhead/test_triton_compile.py``). A ``[V, H]`` weight (``weight_layout="vh"``,
+    its ``[C, K]`` tiles contracted on K) also takes ``C=128``: at ``C=256`` its forward
+    used 255 registers and 8 bytes of stack (a spill); at ``C=128``, 144. float32 (IEEE, no
+    tensor-core fast path; meant for checks, not speed): ``T=64, C=128, K=32``, 8 warps, 2
+    stages. Tune on the device; all are overridable.
     """
     if jnp.dtype(dtype).itemsize == 2:
-        return PallasTritonConfig(64, 128 if softcap else 256, 64, num_warps=8, num_stages=3)
+        narrow = softcap or weight_layout == "vh"
+        return PallasTritonConfig(64, 128 if narrow else 256, 64, num_warps=8, num_stages=3)
     return PallasTritonConfig(64, 128, 32, num_warps=8, num_stages=2)
 
 
@@ -121,9 +130,11 @@ def _pow2_at_least(n: int) -> int:
     return max(_MIN_BLOCK, 1 << max(0, n - 1).bit_length())
 
 
-def _resolve(config: PallasTritonConfig | None, dtype, softcap: bool) -> PallasTritonConfig:
-    """``config`` with its None fields from ``default_config(dtype, softcap)``, checked."""
-    base = default_config(dtype, softcap)
+def _resolve(config: PallasTritonConfig | None, dtype, softcap: bool,
+             weight_layout: str) -> PallasTritonConfig:
+    """``config`` with its None fields from ``default_config(dtype, softcap,
+    weight_layout)``, checked."""
+    base = default_config(dtype, softcap, weight_layout)
     given = {} if config is None else {
         f.name: v for f in dataclasses.fields(config) if (v := getattr(config, f.name)) is not None}
     blocks = dataclasses.replace(base, **given)
@@ -157,7 +168,7 @@ def make_plan(config: PallasTritonConfig | None, spec: HeadSpec) -> tuple[Triton
         raise KernelUnsupported(f"pallas_triton supports bf16, f16 and float32, got {dtype}")
     if spec.vocab_axis is not None:
         raise KernelUnsupported("pallas_triton has no vocab-parallel variant; it runs on XLA")
-    blocks = _resolve(config, dtype, spec.softcap is not None)
+    blocks = _resolve(config, dtype, spec.softcap is not None, spec.weight_layout)
     t = min(blocks.block_tokens, _pow2_at_least(spec.rows))
     c = min(blocks.block_vocab, _pow2_at_least(spec.vocab_size))
     k = min(blocks.block_hidden, _pow2_at_least(spec.hidden_size))
