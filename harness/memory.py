@@ -14,6 +14,7 @@ donated.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -64,6 +65,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     import optax
 
     import jaxhead
+    from jaxhead.dispatch import compile_for
     from models import context, get_config
     from models.mesh import make_mesh
     from train import rl_loss, state, steps
@@ -98,7 +100,10 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
                 "old_logp": arr(jnp.float32), "advantages": arr(jnp.float32)}
 
     run = steps.grpo_step(mdef, tx, loss_cfg, placement, temperature=1.0)
-    with tempfile.TemporaryDirectory() as dump:  # the buffer assignment, as text
+    # kernels are chosen for the compile's platform: a one-device step is traced with no
+    # mesh in context, where "auto" would otherwise follow the CPU host's backend
+    target = contextlib.nullcontext() if topology is None else compile_for("tpu")
+    with tempfile.TemporaryDirectory() as dump, target:  # the buffer assignment, as text
         start = time.perf_counter()
         lowered = run.lower(params, opt, batch_of(batch, seq, placement.batch), None, batch,
                             bucket)

@@ -139,3 +139,14 @@ def test_offload_moves_the_saved_layer_inputs_to_host_memory():
     assert kept["host_temp"] == 0 and offload["host_temp"] > 0, rows
     # each of the 2 layers' bf16 [1, 2048, 64] input per device
     assert offload["host_temp"] >= 2 * 2048 * 64 * 2 / 2**30, rows
+
+
+def test_one_chip_step_compiles_with_the_kernels():
+    """A one-device step is traced with no mesh in context: compiled for a TPU chip from a
+    CPU host, ``impl="auto"`` must still pick the TPU kernels (it followed the host's
+    backend, and the v5e:1x1 rows measured the XLA:CPU paths)."""
+    from harness.memory import measure
+
+    row = measure("tiny", {"data": 1}, batch=0, seq=2048, keep=0.5, layers=0, remat=True,
+                  topology="v5e:1x1", dispatch="dense")
+    assert row["kernels"] >= 3, row  # at least the head's fwd / dh / dW
