@@ -65,7 +65,6 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     import optax
 
     import jaxhead
-    from jaxhead.dispatch import compile_for
     from models import context, get_config
     from models.mesh import make_mesh
     from train import rl_loss, state, steps
@@ -100,9 +99,10 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
                 "old_logp": arr(jnp.float32), "advantages": arr(jnp.float32)}
 
     run = steps.grpo_step(mdef, tx, loss_cfg, placement, temperature=1.0)
-    # kernels are chosen for the compile's platform: a one-device step is traced with no
-    # mesh in context, where "auto" would otherwise follow the CPU host's backend
-    target = contextlib.nullcontext() if topology is None else compile_for("tpu")
+    # kernels are chosen for the mesh's chips: a one-device step is traced with no mesh in
+    # context, where "auto" (and its lowering probe) would follow the CPU host's backend
+    target = (jax.set_mesh(mesh) if topology is not None and not placement.sharded
+              else contextlib.nullcontext())
     with tempfile.TemporaryDirectory() as dump, target:  # the buffer assignment, as text
         start = time.perf_counter()
         lowered = run.lower(params, opt, batch_of(batch, seq, placement.batch), None, batch,
