@@ -52,7 +52,7 @@ What differs between the rows (everything else is the workload above):
   and computes float32 logits for all 32 prompt positions at prefill ([128, 32, 151936])
   and [128, 151936] logits per decode step, drawn with jax.random.categorical (the
   drop-in does not change it: the sampler takes no sampling function); the trainer
-  left-pads prompts to a multiple of 64 and samples with jaxhead's chunked Gumbel-max
+  left-pads prompts to a multiple of 64 and samples with jaxhead's chunked draw
   from the final hidden states (no [B, V] logits).
 - reference log-probs: Tunix runs the reference on [128, 32 + 16] unpacked rows with the
   full logits; the drop-in on the same rows through jaxhead (completion positions only);

@@ -1,11 +1,12 @@
 """Sampling from the head: the token, its log-prob under the distribution it was drawn
 from, and that distribution's support, in float32 with the head's own tile math.
 
-Untruncated: a chunked Gumbel-max over the vocabulary scan (never ``[B, V]``); truncated
-(``top_k`` / ``top_p`` / ``min_p``): the full float32 logits of the rows and one support
-threshold ``min_logit`` found by bisection. The noise is a bounded counter hash of the
-row's seed and the vocab id (``_gumbel``). The derivation, the noise's bounds and why a hash:
-docs/design.md, "Sampling".
+Untruncated: over the vocabulary scan (never ``[B, V]``), a block of ``SAMPLE_BLOCK`` ids
+by Gumbel-max over the blocks' log-masses, then an id inside it by inverse CDF; truncated
+(``top_k`` / ``top_p`` / ``min_p``): the full float32 logits of the rows, one support
+threshold ``min_logit`` found by bisection and a Gumbel-max per id. The noise is a bounded
+counter hash of the row's seed and a counter (``_uniform``). The derivation, the noise's
+bounds and why a hash: docs/design.md, "Sampling".
 """
 
 from __future__ import annotations
@@ -112,50 +113,89 @@ def _pick(z, g, inv_temperature, eligible):
     return j[:, 0].astype(jnp.int32), at(z), at(g), at(eligible)
 
 
-def _better(z, g, ok, best_z, best_g, inv_temperature):
-    """The candidate beats the best so far (ties keep the earlier, lower id)."""
-    first = best_z == -jnp.inf
-    return ok & (first | ((z - best_z) * inv_temperature[:, 0] + (g - best_g) > 0))
+#: Vocabulary ids per block of the untruncated draw: one Gumbel variate per block, an
+#: inverse-CDF draw inside the winning block.
+SAMPLE_BLOCK = 128
+
+
+def _within(e, u):
+    """Per row, the index ``j`` of ``e [B, K]`` (non-negative) drawn with probability
+    ``e_j / sum(e)`` by inverse CDF: the first ``j`` whose running sum exceeds
+    ``u * sum(e)`` (``u [B]`` uniform in (0, 1)). A column that does not raise the running
+    sum (``e_j = 0``, or too small to change it in float32) is never drawn, also where
+    ``u * sum`` rounds up to the sum itself (then: the last column that raised it)."""
+    run = jnp.cumsum(e, axis=1)
+    j = jnp.sum((run <= (u * run[:, -1])[:, None]).astype(jnp.int32), axis=1)
+    raises = run > jnp.pad(run[:, :-1], ((0, 0), (1, 0)))
+    last = e.shape[1] - 1 - jnp.argmax(raises[:, ::-1], axis=1).astype(jnp.int32)
+    return jnp.minimum(j, last)
 
 
 def _chunked(hidden, weight, weight_layout, seeds, temperature, sampled, softcap, num_valid,
              vocab_chunk):
-    """The untruncated path. Per chunk, one logarithm per column: the Gumbel-max winner is
-    the arg-max of ``exp(d) / E`` with ``E = -log(u) = exp(-g)`` (the same order as
-    ``d + g``), reusing the ``exp`` of the log-sum-exp; only the winner's ``g`` is formed.
-    ``E >= 6e-8``: never a division by zero, and a column with ``exp(d) = 0`` (probability
-    0, or below float32's range) scores 0 while the chunk's max scores at least 0.06."""
+    """The untruncated path, a two-level draw over blocks of ``SAMPLE_BLOCK`` ids: a block
+    ``b`` by Gumbel-max over the blocks' log-masses ``log sum_{v in b} exp(l_v)`` (the
+    running arg-max across chunks), then an id inside it by inverse CDF. Exact: the block
+    with probability ``Z_b / Z``, the id with ``p_v / (Z_b / Z)`` given the block. Per
+    column only the ``exp`` the log-sum-exp needs; noise, logarithms and the inverse CDF
+    are per block or per row. Greedy (``temperature == 0``): the arg-max of the logits,
+    the lowest id among ties."""
     rows = hidden.shape[0]
     f32 = jnp.float32
     inv_temperature = 1.0 / temperature  # [B, 1]
+    # running: the statistics, the token, its logit, and the winning block's tile max and
+    # score relative to it (log-mass + Gumbel; the logit itself when greedy)
     init = (hm.init_stats((rows, 1)), jnp.zeros((rows,), jnp.int32),
-            jnp.full((rows,), -jnp.inf, f32), jnp.zeros((rows,), f32))
+            jnp.full((rows,), -jnp.inf, f32), jnp.full((rows,), -jnp.inf, f32),
+            jnp.zeros((rows,), f32))
     axis = layout.vocab_dim(weight_layout)
-    chunk = min(vocab_chunk, weight.shape[axis])
+    vocab = weight.shape[axis]
+    chunk = min(-(-vocab_chunk // SAMPLE_BLOCK) * SAMPLE_BLOCK, vocab)
+
+    def draw(z, e, live, m, off):
+        """``(index in the tile, score relative to m)`` of the tile's candidate."""
+        width = -(-z.shape[1] // SAMPLE_BLOCK) * SAMPLE_BLOCK
+        blocks = jnp.pad(e, ((0, 0), (0, width - z.shape[1]))).reshape(rows, -1, SAMPLE_BLOCK)
+        mass = jnp.sum(blocks, axis=2)  # [B, blocks], relative to the tile max
+        block_ids = lax.broadcasted_iota(jnp.int32, mass.shape, 1) + off // SAMPLE_BLOCK
+        gumbel = -jnp.log(-jnp.log(_uniform(seeds, 2 * block_ids)))
+        score = jnp.where(mass > 0, jnp.log(mass) + gumbel, -jnp.inf)
+        b = jnp.argmax(score, axis=1)
+        picked = jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0]
+        u = _uniform(seeds, 2 * (b + off // SAMPLE_BLOCK)[:, None] + 1)[:, 0]
+        return b.astype(jnp.int32) * SAMPLE_BLOCK + _within(picked, u), \
+            jnp.take_along_axis(score, b[:, None], axis=1)[:, 0]
+
+    def greedy(z, e, live, m, off):
+        j = jnp.argmax(jnp.where(live, z, -jnp.inf), axis=1).astype(jnp.int32)
+        zj = jnp.take_along_axis(z, j[:, None], axis=1)[:, 0]
+        return j, jnp.where(jnp.any(live, axis=1), zj - m[:, 0], -jnp.inf)  # temperature 1
 
     def step(carry, w_c, off, h):
-        stats, tok, best_z, best_g = carry
+        stats, tok, z_tok, best_m, best_score = carry
         z, _ = hm.logits(layout.logits(h, w_c, weight_layout), softcap)
         ids = lax.broadcasted_iota(jnp.int32, z.shape, 1) + off
+        # the log-sum-exp over every id (as the trainer's token_logprobs scores the token);
+        # the draw over the ids below num_valid
         terms = hm.tile_exp(z, inv_temperature, None)
-        tile = hm.tile_stats(z, inv_temperature, None, None, False, terms)
-        stats = hm.merge(stats, tile, inv_temperature, False)
-        expo = lax.cond(sampled, lambda: -jnp.log(_uniform(seeds, ids)),
-                        lambda: jnp.ones(z.shape, f32))
-        score = jnp.where(terms[3] & (ids < num_valid), terms[2] / expo, -1.0)
-        j = jnp.argmax(score, axis=1)[:, None]
-
-        def at(x):
-            return jnp.take_along_axis(x, j, axis=1)[:, 0]
-
-        cz, cg = at(z), jnp.where(sampled, -jnp.log(at(expo)), 0.0)
-        take = _better(cz, cg, at(score) > 0, best_z, best_g, inv_temperature)
-        return (stats, jnp.where(take, j[:, 0] + off, tok), jnp.where(take, cz, best_z),
-                jnp.where(take, cg, best_g))
+        m, _, e, live = terms
+        stats = hm.merge(stats, hm.tile_stats(z, inv_temperature, None, None, False, terms),
+                         inv_temperature, False)
+        valid = ids < num_valid
+        j, score = lax.cond(sampled, draw, greedy, z, jnp.where(valid, e, 0.0), live & valid,
+                            m, off)
+        # the candidate beats the best so far (ties keep the earlier, lower id); nearby
+        # numbers are subtracted first, so a low temperature does not round the noise away
+        first = best_m == -jnp.inf
+        gain = jnp.where(first, 0.0, (m[:, 0] - best_m) * inv_temperature[:, 0])
+        take = (score > -jnp.inf) & (first | (gain + (score - best_score) > 0))
+        cz = jnp.take_along_axis(z, j[:, None], axis=1)[:, 0]
+        return (stats, jnp.where(take, j + off, tok), jnp.where(take, cz, z_tok),
+                jnp.where(take, m[:, 0], best_m), jnp.where(take, score, best_score))
 
     tuning = sc.Tuning()
-    stats, tok, z_tok, _ = sc.scan_vocab(tuning, chunk, step, init, weight, (hidden,),
-                                         axis=axis)
+    stats, tok, z_tok, _, _ = sc.scan_vocab(tuning, chunk, step, init, weight, (hidden,),
+                                            axis=axis)
     logp = (z_tok - stats.m[:, 0]) * inv_temperature[:, 0] - jnp.log1p(stats.r[:, 0])
     ninf = jnp.full((rows,), -jnp.inf, f32)
     return Sample(tok, logp, ninf, jnp.zeros((rows,), f32))

@@ -85,6 +85,35 @@ def test_draws_follow_the_truncated_softmax_chi_square(truncation):
         assert q[:n].sum() >= 0.8 - 1e-6 > q[: n - 1].sum()
 
 
+@pytest.mark.parametrize("vocab_chunk", [256, 8192])
+def test_the_two_level_draw_follows_the_softmax_chi_square(vocab_chunk):
+    """The untruncated draw picks a block of ``SAMPLE_BLOCK`` ids by Gumbel-max over their
+    log-masses, then an id inside it by inverse CDF: 40,000 draws over 1,000 ids (7 full
+    blocks and a ragged one; chunks of 2 blocks or one chunk), ``num_valid = 900``,
+    temperature 0.7, logits spread over ~12 nats so every block carries mass; against the
+    float64 softmax over the valid ids, per id and per block."""
+    hidden, weight, _ = head_inputs(5, 1, 16, 1000)
+    weight = weight * 1.5
+    draws, t = 40_000, 0.7
+    rows = jnp.broadcast_to(hidden, (draws, 16))
+    out = _sample(rows, weight, jax.random.key(11), temperature=t, num_valid=900,
+                  vocab_chunk=vocab_chunk)
+    l = np.asarray(hidden, np.float64) @ np.asarray(weight, np.float64)
+    l = l[0] / t
+    p = np.where(np.arange(1000) < 900, np.exp(l - l.max()), 0.0)
+    p /= p.sum()
+    tokens = np.asarray(out.tokens)
+    assert tokens.max() < 900
+    counts = np.bincount(tokens, minlength=1000)
+    chi_square_ok(counts, p, "ids")
+    block = sampling.SAMPLE_BLOCK
+    chi_square_ok(np.add.reduceat(counts, np.arange(0, 1000, block)),
+                  np.add.reduceat(p, np.arange(0, 1000, block)), "blocks")
+    # the log-prob is under the softmax over every id (as token_logprobs scores it)
+    full = l - np.log(np.exp(l - l.max()).sum()) - l.max()
+    np.testing.assert_allclose(np.asarray(out.logprobs), full[tokens], atol=2e-5)
+
+
 def test_a_peaked_row_only_ever_draws_its_certain_token():
     """The reported case: token 0 has probability 1 - 1.5e-39; over 4,000 draws (2 keys x
     2,000 rows, 6e8 noise values) of the chunked sampler every draw is token 0 with
