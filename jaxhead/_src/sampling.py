@@ -99,13 +99,22 @@ def _noise(seeds, ids, sampled):
                     lambda: jnp.zeros(ids.shape, jnp.float32))
 
 
+def _first_argmax(x):
+    """``(jnp.argmax(x, axis=1), max)`` (the first index among ties) of a ``[B, C]`` array
+    with no NaN, by two plain reductions: XLA:CPU's variadic arg-max reduce over a wide row
+    costs more than the matmul that made it."""
+    top = jnp.max(x, axis=1, keepdims=True)
+    cols = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    return jnp.min(jnp.where(x == top, cols, x.shape[1] - 1), axis=1), top[:, 0]
+
+
 def _pick(z, g, inv_temperature, eligible):
     """Per row: ``(index, z, g, eligible)`` of the arg-max of
     ``(z - max z) * inv_temperature + g`` over the ``eligible`` columns of the tile (the
     first index among ties)."""
     m = jnp.max(jnp.where(eligible, z, -jnp.inf), axis=1, keepdims=True)
     score = jnp.where(eligible, (z - m) * inv_temperature + g, -jnp.inf)
-    j = jnp.argmax(score, axis=1)[:, None]
+    j = _first_argmax(score)[0][:, None]
 
     def at(x):
         return jnp.take_along_axis(x, j, axis=1)[:, 0]
@@ -167,9 +176,8 @@ def _chunked(hidden, weight, weight_layout, seeds, temperature, sampled, softcap
             jnp.take_along_axis(score, b[:, None], axis=1)[:, 0]
 
     def greedy(z, e, live, m, off):
-        j = jnp.argmax(jnp.where(live, z, -jnp.inf), axis=1).astype(jnp.int32)
-        zj = jnp.take_along_axis(z, j[:, None], axis=1)[:, 0]
-        return j, jnp.where(jnp.any(live, axis=1), zj - m[:, 0], -jnp.inf)  # temperature 1
+        j, zj = _first_argmax(jnp.where(live, z, -jnp.inf))
+        return j, jnp.where(zj > -jnp.inf, zj - m[:, 0], -jnp.inf)  # temperature 1
 
     def step(carry, w_c, off, h):
         stats, tok, z_tok, best_m, best_score = carry
