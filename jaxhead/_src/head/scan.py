@@ -33,9 +33,14 @@ class Tuning:
         return jnp.dtype(dtype)
 
     def dw_tile(self, h_t: jax.Array, du: jax.Array, weight_layout: str) -> jax.Array:
-        """float32 ``dw`` chunk in the weight's layout: ``h_t^T @ du`` ``[H, C]`` or
-        ``du^T @ h_t`` ``[C, H]``."""
+        """float32 ``dw`` term of one token tile, of ``dw_chunk_shape``: here in the
+        weight's layout, ``h_t^T @ du`` ``[H, C]`` or ``du^T @ h_t`` ``[C, H]``."""
         return layout.dweight(h_t, du, weight_layout)
+
+    def dw_chunk_shape(self, shape, weight_layout: str) -> tuple[int, ...]:
+        """Shape of the float32 accumulator of one vocab chunk's ``dw`` whose weight tile
+        has ``shape`` (here the same: ``dw_buffer`` writes it as it is)."""
+        return shape
 
     def dw_buffer(self, w: jax.Array, weight_layout: str) -> DwBuffer:
         """Where the ``dw`` chunks (``w``'s shape and layout) are written."""

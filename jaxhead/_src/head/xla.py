@@ -198,7 +198,7 @@ def _backward_fused(plan: XlaPlan, xs, h, w, dh_dtype):
             dh_t = sc.rows(dh_acc, x[0], tc) + layout.dhidden(du, w_c, lay)
             return (dw_c + tuning.dw_tile(h_t, du, lay), sc.put_rows(dh_acc, x[0], dh_t)), None
 
-        init = (jnp.zeros(w_c.shape, jnp.float32), dh_acc)
+        init = (jnp.zeros(tuning.dw_chunk_shape(w_c.shape, lay), jnp.float32), dh_acc)
         (dw_c, dh_acc), _ = sc.scan(tuning, token_step, init, xs, (h, w_c))
         return dh_acc, out.write(dw, dw_c, off)
 
@@ -231,7 +231,8 @@ def _backward_two_pass(plan: XlaPlan, xs, h, w, dh_dtype):
             h_t = sc.rows(h, x[0], tc, dtype)
             return acc + tuning.dw_tile(h_t, _du_tile(plan, h_t, w_c, off, *x[1:]), lay), None
 
-        acc, _ = sc.scan(tuning, token_step, jnp.zeros(w_c.shape, jnp.float32), xs, (h, w_c))
+        init = jnp.zeros(tuning.dw_chunk_shape(w_c.shape, lay), jnp.float32)
+        acc, _ = sc.scan(tuning, token_step, init, xs, (h, w_c))
         return out.write(dw, acc, off)
 
     out = tuning.dw_buffer(w, lay)

@@ -13,8 +13,10 @@ on both); only how XLA:CPU is steered differs:
   temporary).
 * On CPUs without bf16 matrix units (no AMX, no AVX512-BF16) 16-bit tiles are widened to
   float32 before the matmuls (faster there, and exact).
-* ``h^T`` is materialised before ``h^T du`` (``du^T`` before ``du^T h`` for a ``"vh"``
-  weight): XLA's CPU dot runs a transposed-operand product at about half speed.
+* ``h^T`` is materialised before ``h^T du``: XLA's CPU dot runs a transposed-operand
+  product at about half speed. A ``"vh"`` weight's ``dw`` chunk is accumulated as the
+  same ``[H, C]`` product and transposed once per vocab chunk when written (forming
+  ``du^T`` per token tile instead made its backward twice as slow as ``"hv"``'s).
 """
 
 from __future__ import annotations
@@ -58,7 +60,18 @@ class XlaCpuConfig(xla.XlaConfig):
     bf16_matmul: bool | None = None
 
 
-class _BitsDwBuffer(sc.DwBuffer):
+class _CpuDwBuffer(sc.DwBuffer):
+    """``dw`` chunks arrive as ``[H, C]`` (``CpuTuning.dw_tile``) and are written in the
+    weight's layout: a ``"vh"`` weight's (``axis`` 0) transposed to ``[C, H]`` here."""
+
+    def oriented(self, dw_c):
+        return dw_c if self.axis == 1 else dw_c.T
+
+    def write(self, dw, dw_c, off):
+        return super().write(dw, self.oriented(dw_c), off)
+
+
+class _BitsDwBuffer(_CpuDwBuffer):
     """``dw`` written through a ``uint16`` view (see the module docstring)."""
 
     def __init__(self, w, axis: int):
@@ -66,7 +79,7 @@ class _BitsDwBuffer(sc.DwBuffer):
         self.init = jnp.zeros(w.shape, jnp.uint16)
 
     def write(self, dw, dw_c, off):
-        update = lax.bitcast_convert_type(dw_c.astype(self.dtype), jnp.uint16)
+        update = lax.bitcast_convert_type(self.oriented(dw_c).astype(self.dtype), jnp.uint16)
         return lax.dynamic_update_slice_in_dim(dw, update, off, self.axis)
 
     def finish(self, dw):
@@ -87,13 +100,14 @@ class CpuTuning(sc.Tuning):
         return jnp.dtype(jnp.float32) if self.widen_16bit and dtype.itemsize == 2 else dtype
 
     def dw_tile(self, h_t, du, weight_layout):
-        if weight_layout == "hv":  # h^T du [H, C]
-            return hm.matmul(lax.optimization_barrier(h_t.T), du, (1, 0))
-        return hm.matmul(lax.optimization_barrier(du.T), h_t, (1, 0))  # du^T h [C, H]
+        return hm.matmul(lax.optimization_barrier(h_t.T), du, (1, 0))  # h^T du [H, C]
+
+    def dw_chunk_shape(self, shape, weight_layout):
+        return shape if weight_layout == "hv" else shape[::-1]  # [H, C] either way
 
     def dw_buffer(self, w, weight_layout) -> sc.DwBuffer:
         axis = layout.vocab_dim(weight_layout)
-        return _BitsDwBuffer(w, axis) if self.dw_as_bits else sc.DwBuffer(w, axis)
+        return _BitsDwBuffer(w, axis) if self.dw_as_bits else _CpuDwBuffer(w, axis)
 
 
 def make_plan(config: XlaCpuConfig | None, spec: HeadSpec) -> tuple[xla.XlaPlan, int]:
