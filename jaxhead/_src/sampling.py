@@ -315,7 +315,8 @@ def sample(
         (so one compiled function serves every truncation setting).
       softcap: soft-cap ``c`` of the head (``z = c tanh(u / c)``) or None.
       num_valid: only ids ``< num_valid`` are drawn (None: all V).
-      vocab_chunk: vocabulary entries per tile of the untruncated path.
+      vocab_chunk: vocabulary entries per tile of the untruncated path (rounded up to a
+        multiple of ``SAMPLE_BLOCK`` = 128; a draw does not depend on it).
       weight_layout: ``"hv"`` or ``"vh"``: both draw the same tokens from the same key.
 
     Returns:
