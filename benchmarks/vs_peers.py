@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # configs, train: a checkout's
+sys.path.insert(0, str(ROOT))  # configs, train, harness: a checkout's
+from harness.machine import describe
+
 ROWS = {"tunix": "Tunix 0.1.7 GRPOLearner",
         "tunix-dropin": "Tunix inside jaxhead.integrations.tunix.drop_in()",
         "trainer": "this project's trainer (train.grpo's iteration)"}
@@ -50,10 +51,12 @@ DIFFERENCES = """\
 What differs between the rows (everything else is the workload above):
 - generation: Tunix's vanilla sampler left-pads every prompt to max_prompt_length = 32
   and computes float32 logits for all 32 prompt positions at prefill ([128, 32, 151936])
-  and [128, 151936] logits per decode step, drawn with jax.random.categorical (the
-  drop-in does not change it: the sampler takes no sampling function); the trainer
-  left-pads prompts to a multiple of 64 and samples with jaxhead's chunked draw
-  from the final hidden states (no [B, V] logits).
+  and [128, 151936] logits per decode step (its model returns them), drawn by
+  jax.random.categorical, one Gumbel variate per id; the drop-in draws from the same
+  logits with jaxhead.sample_from_logits (one variate per block of 128 ids; another
+  random stream, the same distribution); the trainer left-pads prompts to a multiple of
+  64 and samples with jaxhead.sample from the final hidden states, prefill included (no
+  logits of the prompt positions, no [B, V] logits per decode step).
 - reference log-probs: Tunix runs the reference on [128, 32 + 16] unpacked rows with the
   full logits; the drop-in on the same rows through jaxhead (completion positions only);
   the trainer on packed rows (2 sequences per 128-token row) through jaxhead (kept tokens
@@ -106,13 +109,6 @@ def run_row(row: str, path: str, iterations: int) -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
-def machine() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in
-                  Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    return f"{model}, {os.cpu_count()} cores"
-
-
 def table(results: dict[str, list[dict]]) -> str:
     med = {row: {p: [statistics.median(it[p][k] for it in its) for k in (0, 1)]
                  for p in PHASES} for row, its in results.items()}
@@ -147,7 +143,7 @@ def main(argv=None):
             print(f"round {r + 1}/{args.rounds}: {row} done", file=sys.stderr, flush=True)
     n = args.rounds * args.iterations
     print(f"GRPO iteration, medians of {n} iterations per row ({args.rounds} interleaved "
-          f"rounds of {args.iterations} after a warm-up each), on {machine()}; 1-minute "
+          f"rounds of {args.iterations} after a warm-up each), on {describe()}; 1-minute "
           f"load average {min(x[0] for x in load):.1f}-{max(x[0] for x in load):.1f} "
           "(CPU seconds are the measure on a shared machine)\n")
     print(table(results))

@@ -8,6 +8,7 @@ Public API (everything under ``jaxhead._src`` is private and may change):
   reference_token_logprobs    the plain full-logits head (oracle and baseline)
   sample, Sample              sampling from the head (chunked Gumbel-max, no [B, V] logits;
                               top-k / top-p / min-p with the support's log-probs)
+  sample_from_logits          the same draw from logits a model has already computed
   keep_mask                   union of the loss components that read each token
   shift_to_predictions        a token-aligned mask as the prediction-aligned one
   next_token_labels           shift-left labels that respect packed segments
@@ -35,7 +36,7 @@ from jaxhead._src.head.xla import XlaConfig
 from jaxhead._src.head.xla_cpu import XlaCpuConfig
 from jaxhead._src.masks import keep_mask, next_token_labels, shift_to_predictions
 from jaxhead._src.nnx import LMHead
-from jaxhead._src.sampling import sample
+from jaxhead._src.sampling import sample, sample_from_logits
 from jaxhead._src.types import HeadOutput, Sample
 from jaxhead.dispatch import KernelUnsupported
 
@@ -58,6 +59,7 @@ __all__ = [
     "pallas_interpret",
     "reference_token_logprobs",
     "sample",
+    "sample_from_logits",
     "sharded_token_logprobs",
     "shift_to_predictions",
     "token_logprobs",

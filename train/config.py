@@ -303,8 +303,9 @@ def _context_rows(cfg) -> list[tuple[str, str]]:
     """Under context parallelism each packed row splits into 2 chunks per context device
     (``models.context.balance_order``)."""
     parts = 2 * cfg.mesh.context
-    return [(f"{stage}.row_len", f"must be a multiple of {parts} (2 x mesh.context = "
-             f"{cfg.mesh.context}: each row's tokens split into 2 chunks per device)")
+    return [(f"{stage}.row_len", (f"must be a multiple of {parts} (2 x mesh.context = "
+                                  f"{cfg.mesh.context}: each row's tokens split into 2 "
+                                  "chunks per device)"))
             for stage in ("sft", "train") if cfg.mesh.context > 1 and cfg[stage].row_len % parts]
 
 

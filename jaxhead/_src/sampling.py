@@ -11,6 +11,9 @@ bounds and why a hash: docs/design.md, "Sampling".
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -30,11 +33,8 @@ def _static(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _check(hidden, weight, weight_layout, num_valid, temperature, top_k, top_p, min_p):
-    if hidden.ndim != 2:
-        raise ValueError(f"hidden must be [B, H], got shape {hidden.shape}")
-    validation.check_weight(hidden.shape, weight.shape, weight_layout)
-    vocab = layout.sizes(weight.shape, weight_layout)[1]
+def _check_settings(vocab, num_valid, temperature, top_k, top_p, min_p) -> int:
+    """``num_valid`` (V when None) after checking the draw's settings against ``vocab``."""
     num_valid = vocab if num_valid is None else int(num_valid)
     if not 0 < num_valid <= vocab:
         raise ValueError(f"num_valid must be in [1, V={vocab}], got {num_valid}")
@@ -50,6 +50,38 @@ def _check(hidden, weight, weight_layout, num_valid, temperature, top_k, top_p, 
     if _static(min_p) and not 0 <= min_p < 1:
         raise ValueError(f"min_p must be in [0, 1) (0: off), got {min_p!r}")
     return num_valid
+
+
+class _Source(NamedTuple):
+    """Where a draw's logits come from: ``tile(w_c, *pinned)`` is the float32 ``[B, C]``
+    logits of the vocab chunk ``w_c`` of ``scanned`` (sliced along ``axis``); ``full()``
+    all ``[B, V]`` of them."""
+
+    rows: int
+    vocab: int
+    scanned: jax.Array
+    axis: int
+    pinned: tuple
+    tile: Callable
+
+    def full(self):
+        return self.tile(self.scanned, *self.pinned)
+
+
+def _head_source(hidden, weight, weight_layout, softcap) -> _Source:
+    """The logits ``softcap(hidden @ weight)``, a tile per chunk of the weight."""
+
+    def tile(w_c, h):
+        return hm.logits(layout.logits(h, w_c, weight_layout), softcap)[0]
+
+    axis = layout.vocab_dim(weight_layout)
+    return _Source(hidden.shape[0], weight.shape[axis], weight, axis, (hidden,), tile)
+
+
+def _logits_source(logits) -> _Source:
+    """Given logits ``[B, V]``, a tile per column chunk (in float32)."""
+    return _Source(logits.shape[0], logits.shape[1], logits, 1, (),
+                   lambda z_c: z_c.astype(jnp.float32))
 
 
 def _row_temperature(temperature, rows: int):
@@ -140,16 +172,15 @@ def _within(e, u):
     return jnp.minimum(j, last)
 
 
-def _chunked(hidden, weight, weight_layout, seeds, temperature, sampled, softcap, num_valid,
-             vocab_chunk):
+def _chunked(source, seeds, temperature, sampled, num_valid, vocab_chunk):
     """The untruncated path, a two-level draw over blocks of ``SAMPLE_BLOCK`` ids: a block
     ``b`` by Gumbel-max over the blocks' log-masses ``log sum_{v in b} exp(l_v)`` (the
     running arg-max across chunks), then an id inside it by inverse CDF. Exact: the block
     with probability ``Z_b / Z``, the id with ``p_v / (Z_b / Z)`` given the block. Per
     column only the ``exp`` the log-sum-exp needs; noise, logarithms and the inverse CDF
     are per block or per row. Greedy (``temperature == 0``): the arg-max of the logits,
-    the lowest id among ties."""
-    rows = hidden.shape[0]
+    the lowest id among ties. ``source``: where the tiles' logits come from (``_Source``)."""
+    rows = source.rows
     f32 = jnp.float32
     inv_temperature = 1.0 / temperature  # [B, 1]
     # running: the statistics, the token, its logit, and the winning block's tile max and
@@ -157,9 +188,7 @@ def _chunked(hidden, weight, weight_layout, seeds, temperature, sampled, softcap
     init = (hm.init_stats((rows, 1)), jnp.zeros((rows,), jnp.int32),
             jnp.full((rows,), -jnp.inf, f32), jnp.full((rows,), -jnp.inf, f32),
             jnp.zeros((rows,), f32))
-    axis = layout.vocab_dim(weight_layout)
-    vocab = weight.shape[axis]
-    chunk = min(-(-vocab_chunk // SAMPLE_BLOCK) * SAMPLE_BLOCK, vocab)
+    chunk = min(-(-vocab_chunk // SAMPLE_BLOCK) * SAMPLE_BLOCK, source.vocab)
 
     def draw(z, e, live, m, off):
         """``(index in the tile, score relative to m)`` of the tile's candidate."""
@@ -179,9 +208,9 @@ def _chunked(hidden, weight, weight_layout, seeds, temperature, sampled, softcap
         j, zj = _first_argmax(jnp.where(live, z, -jnp.inf))
         return j, jnp.where(zj > -jnp.inf, zj - m[:, 0], -jnp.inf)  # temperature 1
 
-    def step(carry, w_c, off, h):
+    def step(carry, w_c, off, *pinned):
         stats, tok, z_tok, best_m, best_score = carry
-        z, _ = hm.logits(layout.logits(h, w_c, weight_layout), softcap)
+        z = source.tile(w_c, *pinned)
         ids = lax.broadcasted_iota(jnp.int32, z.shape, 1) + off
         # the log-sum-exp over every id (as the trainer's token_logprobs scores the token);
         # the draw over the ids below num_valid
@@ -202,8 +231,8 @@ def _chunked(hidden, weight, weight_layout, seeds, temperature, sampled, softcap
                 jnp.where(take, m[:, 0], best_m), jnp.where(take, score, best_score))
 
     tuning = sc.Tuning()
-    stats, tok, z_tok, _, _ = sc.scan_vocab(tuning, chunk, step, init, weight, (hidden,),
-                                            axis=axis)
+    stats, tok, z_tok, _, _ = sc.scan_vocab(tuning, chunk, step, init, source.scanned,
+                                            source.pinned, axis=source.axis)
     logp = (z_tok - stats.m[:, 0]) * inv_temperature[:, 0] - jnp.log1p(stats.r[:, 0])
     ninf = jnp.full((rows,), -jnp.inf, f32)
     return Sample(tok, logp, ninf, jnp.zeros((rows,), f32))
@@ -257,10 +286,9 @@ def _threshold(l, eligible, top_k, top_p, min_p):
     return jnp.where(min_p > 0, jnp.maximum(tau, m + jnp.log(min_p)), tau)
 
 
-def _truncated(hidden, weight, weight_layout, seeds, temperature, sampled, softcap, num_valid,
-               top_k, top_p, min_p):
+def _truncated(z, seeds, temperature, sampled, num_valid, top_k, top_p, min_p):
+    """The truncated path on the float32 logits ``z [B, V]`` of every row."""
     inv_temperature = 1.0 / temperature  # [B, 1]
-    z, _ = hm.logits(layout.logits(hidden, weight, weight_layout), softcap)
     l = z * inv_temperature
     ids = lax.broadcasted_iota(jnp.int32, z.shape, 1)
     eligible = (ids < num_valid) & (z > -jnp.inf)
@@ -279,6 +307,16 @@ def _truncated(hidden, weight, weight_layout, seeds, temperature, sampled, softc
     full = hm.finalize(hm.tile_stats(z, inv_temperature, None, hit, False), inv_temperature,
                        False)
     return Sample(tok, rows.logp[:, 0], tau[:, 0], full.logp[:, 0] - rows.logp[:, 0])
+
+
+def _draw(source, key, num_valid, temperature, top_k, top_p, min_p, vocab_chunk) -> Sample:
+    temperature, sampled = _row_temperature(temperature, source.rows)
+    seeds = jax.random.bits(key, (source.rows, 2), jnp.uint32)
+    off = all(_static(x) for x in (top_k, top_p, min_p)) and not (top_k or top_p < 1 or min_p)
+    if not off:
+        return _truncated(source.full(), seeds, temperature, sampled, num_valid, top_k, top_p,
+                          min_p)
+    return _chunked(source, seeds, temperature, sampled, num_valid, vocab_chunk)
 
 
 def sample(
@@ -328,13 +366,54 @@ def sample(
         ``[1, V]``, or ``top_k`` / ``top_p`` / ``min_p`` outside their ranges (the value
         named).
     """
-    num_valid = _check(hidden, weight, weight_layout, num_valid, temperature, top_k, top_p,
-                       min_p)
-    temperature, sampled = _row_temperature(temperature, hidden.shape[0])
-    seeds = jax.random.bits(key, (hidden.shape[0], 2), jnp.uint32)
-    off = all(_static(x) for x in (top_k, top_p, min_p)) and not (top_k or top_p < 1 or min_p)
-    if not off:
-        return _truncated(hidden, weight, weight_layout, seeds, temperature, sampled, softcap,
-                          num_valid, top_k, top_p, min_p)
-    return _chunked(hidden, weight, weight_layout, seeds, temperature, sampled, softcap,
-                    num_valid, vocab_chunk)
+    if hidden.ndim != 2:
+        raise ValueError(f"hidden must be [B, H], got shape {hidden.shape}")
+    validation.check_weight(hidden.shape, weight.shape, weight_layout)
+    vocab = layout.sizes(weight.shape, weight_layout)[1]
+    num_valid = _check_settings(vocab, num_valid, temperature, top_k, top_p, min_p)
+    return _draw(_head_source(hidden, weight, weight_layout, softcap), key, num_valid,
+                 temperature, top_k, top_p, min_p, vocab_chunk)
+
+
+def sample_from_logits(
+    logits: jax.Array,
+    key: jax.Array,
+    *,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    num_valid: int | None = None,
+    vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
+) -> Sample:
+    """``jaxhead.sample``'s draw from logits a model has already computed.
+
+    For a decoder whose decode step returns ``[B, V]`` logits (such as the samplers of other
+    stacks): the same two-level draw as ``sample`` (one Gumbel variate per block of
+    ``SAMPLE_BLOCK`` ids and one uniform per row, instead of one variate per id as in
+    ``jax.random.categorical``; at V = 151,936 most of a decode step's sampling cost is
+    that noise), the same truncation, the same ``Sample``. Given the same key and
+    bitwise the same logits it draws what ``sample`` draws from the hidden states and weight
+    those logits came from.
+
+    Args:
+      logits: ``[B, V]`` pre-temperature logits, any float dtype (read in float32);
+        ``-inf`` marks an id that cannot be drawn. NaN is not checked.
+      key: a JAX PRNG key (as ``sample``).
+      temperature, top_k, top_p, min_p, num_valid, vocab_chunk: as ``sample``.
+
+    Returns:
+      ``Sample(tokens, logprobs, min_logit, logmass)``, ``[B]`` each (see ``Sample``).
+
+    Raises:
+      ValueError: ``logits`` not 2-D or not floating point (its shape / dtype named), or a
+        setting out of range (as ``sample``, the value named).
+    """
+    if jnp.ndim(logits) != 2:
+        raise ValueError(f"logits must be [B, V], got shape {jnp.shape(logits)}")
+    if not jnp.issubdtype(jnp.result_type(logits), jnp.floating):
+        raise ValueError(f"logits must be floating point, got {jnp.result_type(logits)}")
+    logits = jnp.asarray(logits)
+    num_valid = _check_settings(logits.shape[1], num_valid, temperature, top_k, top_p, min_p)
+    return _draw(_logits_source(logits), key, num_valid, temperature, top_k, top_p, min_p,
+                 vocab_chunk)

@@ -11,6 +11,7 @@ import pytest
 import jaxhead
 from harness.oracle import head_inputs
 from jaxhead._src import sampling
+from tests.support.sampling import TRUNCATIONS, chi_square_ok
 
 # one compiled function per static setting, shared by the tests (compiles dominate here)
 _sample = jax.jit(jaxhead.sample, static_argnames=(
@@ -18,26 +19,6 @@ _sample = jax.jit(jaxhead.sample, static_argnames=(
 _head = jax.jit(lambda h, w, y, t, ml, softcap: jaxhead.token_logprobs(
     h, w, y, temperature=t, softcap=softcap, min_logit=ml,
     config=jaxhead.XlaConfig(vocab_chunk=256)).logprobs, static_argnames="softcap")
-TRUNCATIONS = [{}, {"top_p": 0.8}, {"top_k": 50}, {"min_p": 0.05},
-               {"top_k": 50, "top_p": 0.9, "min_p": 0.05}]
-
-
-def chi_square_ok(counts, p, label) -> None:
-    """A chi-square goodness-of-fit test of ``counts`` against probabilities ``p``.
-
-    P(chi2 > dof + 5 sqrt(2 dof)) is below 1e-4 for these dof: a wrong sampler (the noise of
-    one chunk reused, the temperature ignored, the wrong support) fails by orders of
-    magnitude."""
-    expected = p * counts.sum()
-    big = expected >= 5  # pool the rare ids into one cell
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    chi2 = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
-    dof = keep.sum() - 1
-    assert chi2 < dof + 5 * np.sqrt(2 * dof), (label, chi2, dof)
-
-
 @pytest.mark.parametrize("truncation", TRUNCATIONS, ids=str)
 @pytest.mark.parametrize("temperature, softcap", [(1.0, None), (0.6, None), (1.3, 5.0)])
 def test_logprobs_equal_token_logprobs_on_the_support(truncation, temperature, softcap):

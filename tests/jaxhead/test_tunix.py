@@ -264,9 +264,10 @@ def _load(relative):
     return module
 
 
-def _train_two_steps(example, use_jaxhead: bool, num_iterations: int):
+def _train_two_steps(example, use_jaxhead: bool, num_iterations: int, sampling: bool = False):
     """``examples/tunix_grpo.py``'s cluster, two GRPO updates, with or without the
-    drop-in; ``num_iterations = 2``: both on the first batch (old-policy log-probs)."""
+    drop-in (``sampling``: its draw too); ``num_iterations = 2``: both on the first batch
+    (old-policy log-probs)."""
     cluster = example.cluster(max_steps=2)
     completions, prompts = [], []
     cluster.with_external_metrics_logger(
@@ -283,7 +284,8 @@ def _train_two_steps(example, use_jaxhead: bool, num_iterations: int):
     cluster.generate = recorded
     config = grpo_learner.GRPOConfig(num_generations=2, num_iterations=num_iterations,
                                      beta=0.04)
-    with jaxhead_tunix.drop_in() if use_jaxhead else contextlib.nullcontext():
+    with (jaxhead_tunix.drop_in(sampling=sampling) if use_jaxhead
+          else contextlib.nullcontext()):
         learner = grpo_learner.GRPOLearner(rl_cluster=cluster, algo_config=config,
                                            reward_fns=example.reward)
         learner.train(example.PROMPTS)
@@ -296,8 +298,9 @@ def _train_two_steps(example, use_jaxhead: bool, num_iterations: int):
 @pytest.mark.parametrize("num_iterations", [1, 2])
 def test_grpo_learner_two_steps_same_metrics_as_tunix(monkeypatch, num_iterations):
     """Policy loss, reference log-probs and (``num_iterations = 2``) old-policy log-probs
-    through jaxhead: the learner's metrics and parameters after two updates are Tunix's;
-    the sampler saw B x G prompts, each the given text."""
+    through jaxhead, Tunix's draw kept (``drop_in(sampling=False)``): the learner's metrics
+    and parameters after two updates are Tunix's; the sampler saw B x G prompts, each the
+    given text."""
     calls = []
     for name in ("policy_logps", "compute_per_token_logps"):
         inner = getattr(jaxhead_tunix.logps, name)
@@ -325,6 +328,30 @@ def test_grpo_learner_two_steps_same_metrics_as_tunix(monkeypatch, num_iteration
                                    err_msg=name)
     assert float(metrics["grad_norm"].min()) > 0
     assert _rel_err(params_j, params) <= 1e-5
+
+
+def test_grpo_learner_trains_with_the_whole_drop_in(monkeypatch):
+    """``drop_in()`` as users enter it, the rollouts drawn by jaxhead too: two updates on
+    the example's cluster, every rollout token drawn through ``sample_from_logits``, the
+    sampler fed B x G rows of the given texts, completions and metrics of a working run
+    (another random stream than Tunix's, so not Tunix's numbers)."""
+    from jaxhead.integrations.tunix import sampler
+
+    draws = []
+    inner = sampler.sample_from_logits
+    monkeypatch.setattr(sampler, "sample_from_logits",
+                        lambda *a, **k: draws.append(a[0].shape) or inner(*a, **k))
+    example = _load(Path("examples") / "tunix_grpo.py")
+    metrics, completions, prompts, params = _train_two_steps(example, True, 1, sampling=True)
+    assert draws, "the rollouts were not drawn by jaxhead"
+    texts = [t for t in example.TEXTS for _ in range(2)]
+    assert prompts == [(texts, texts)] * 2, prompts
+    assert len(completions) == 2 and all(text for step in completions for text in step)
+    for name, values in metrics.items():
+        assert values.shape == (2,) and np.all(np.isfinite(values)), (name, values)
+    assert float(metrics["grad_norm"].min()) > 0
+    start = nnx.state(example.tiny_qwen3(), nnx.Param)
+    assert _rel_err(params, start) > 0  # it trained
 
 
 def test_compiled_temporaries_at_most_a_twentieth_of_tunix():

@@ -126,8 +126,8 @@ def test_rows_that_do_not_split_over_the_context_axis_are_named(tmp_path, capsys
     cfg.mesh.context, cfg.sft.row_len, cfg.train.row_len = 4, 100, 96
     status, lines = _start(cfg, capsys)
     assert status == 2 and lines == [
-        "error: sft.row_len = 100: must be a multiple of 8 (2 x mesh.context = 4: each "
-        "row's tokens split into 2 chunks per device)"]
+        ("error: sft.row_len = 100: must be a multiple of 8 (2 x mesh.context = 4: each "
+         "row's tokens split into 2 chunks per device)")]
 
 
 def test_a_key_no_schema_declares_is_reported(tmp_path, capsys):

@@ -20,11 +20,13 @@ removed by the compiler.
                             aux metrics) with log-probs and entropy from jaxhead
   drop_in                   context manager: every LM-head computation of the Tunix
                             learners built and trained inside it (policy losses,
-                            reference / old-policy / anchor log-probs) on jaxhead (the one
-                            line to add; ``dropin.py`` says which hook serves each)
-  policy_losses, log_probs  its two halves: Tunix's registry names ``"grpo"`` / ``"ppo"``
-                            resolve to the jaxhead losses; ``common.compute_per_token_logps``
-                            is jaxhead's
+                            reference / old-policy / anchor log-probs, the rollout's draw)
+                            on jaxhead (the one line to add; ``dropin.py`` says which hook
+                            serves each)
+  policy_losses, log_probs, its three parts: Tunix's registry names ``"grpo"`` / ``"ppo"``
+  sampling                  resolve to the jaxhead losses; ``common.compute_per_token_logps``
+                            is jaxhead's; the vanilla sampler draws with
+                            ``jaxhead.sample_from_logits``
   register_model, TunixHead how to find the head (weight, optional bias) of a model class
                             (Qwen3 and Qwen2 are built in, tied and untied)
 
@@ -52,6 +54,7 @@ from jaxhead.integrations.tunix.dropin import drop_in, log_probs
 from jaxhead.integrations.tunix.heads import TunixHead, register_model
 from jaxhead.integrations.tunix.logps import compute_per_token_logps
 from jaxhead.integrations.tunix.losses import grpo_loss_fn, policy_losses, ppo_loss_fn
+from jaxhead.integrations.tunix.sampler import sampling
 
 __all__ = [
     "TunixHead",
@@ -62,4 +65,5 @@ __all__ = [
     "policy_losses",
     "ppo_loss_fn",
     "register_model",
+    "sampling",
 ]

@@ -15,6 +15,8 @@ ratio; PPO, GRPO with ``num_           ``rollout.get_per_token_logps`` ->
 iterations > 1``)                      ``common.compute_per_token_logps``
 anchor-policy log-probs (agentic)      ``RLCluster.get_actor_per_token_logps`` ->   patch
                                        ``common.compute_per_token_logps``
+the rollout's draw (vanilla sampler,   ``Sampler._sample`` ->                       patch
+``top_p`` mode)                        ``tunix.generate.sampler.sample_top_p``
 =====================================  =========================================  ==========
 
 The losses go through Tunix's public ``function_registry`` (``losses.policy_losses``).
@@ -23,9 +25,11 @@ The other three have no extension point: the ``InferenceWorker`` is built inside
 ``tunix.rl.common.compute_per_token_logps``. ``log_probs`` replaces that one attribute,
 for the calls that do not ask for the logits (``return_logits=False``; the others, such as
 Tunix's own losses, go to Tunix's function), and puts back what it found on exit.
-Generation is not covered: Tunix's vanilla sampler (``tunix.generate.sampler.Sampler``)
-takes no sampling function (greedy / top-p / beam search are fixed inside it), so it keeps
-its ``[B, V]`` logits per decode step.
+Tunix's vanilla sampler (``tunix.generate.sampler.Sampler``) takes no sampling function
+(greedy / top-p / beam search are fixed inside it): ``sampler.sampling`` replaces the
+module function its ``top_p`` mode draws with, by ``jaxhead.sample_from_logits`` (the same
+distribution, another random stream; the ``[B, V]`` logits of each decode step are still
+computed by Tunix's model).
 
 What changes in the numbers: positions outside the completion mask are exactly 0 instead
 of the log-prob of the padding token there (every Tunix loss masks them out); inside it,
@@ -41,6 +45,7 @@ from tunix.rl import common
 
 from jaxhead.integrations.tunix import logps
 from jaxhead.integrations.tunix.losses import policy_losses
+from jaxhead.integrations.tunix.sampler import sampling as jaxhead_sampling
 
 
 def _jaxhead_compute_per_token_logps(original, impl: str):
@@ -83,10 +88,11 @@ def log_probs(*, impl: str = "auto") -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def drop_in(*, impl: str = "auto") -> Iterator[None]:
+def drop_in(*, impl: str = "auto", sampling: bool = True) -> Iterator[None]:
     """Every LM-head computation of the Tunix learners built and trained inside the block
-    runs on jaxhead: the GRPO / PPO policy losses (``policy_losses``) and the reference,
-    old-policy and anchor-policy log-probs (``log_probs``). Everything is restored on exit.
+    runs on jaxhead: the GRPO / PPO policy losses (``policy_losses``), the reference,
+    old-policy and anchor-policy log-probs (``log_probs``) and the vanilla sampler's draw
+    (``sampling``). Everything is restored on exit.
 
     Example::
 
@@ -94,9 +100,19 @@ def drop_in(*, impl: str = "auto") -> Iterator[None]:
             learner = GRPOLearner(rl_cluster=cluster, algo_config=config, reward_fns=fn)
             learner.train(dataset)
 
+    Args:
+      impl: the jaxhead implementation of the log-probs (``"auto"``: by backend).
+      sampling: also draw the rollouts' tokens with jaxhead (the same distribution as
+        Tunix's draw, not the same tokens for a seed); ``False`` keeps Tunix's draw, so a
+        run reproduces Tunix's completions token for token.
+
     Raises (inside the block, from the first call that meets the model):
       TypeError: a model class the adapter does not know (``register_model``).
       NotImplementedError: LM-head parameters the registration does not read.
     """
-    with policy_losses(impl=impl), log_probs(impl=impl):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(policy_losses(impl=impl))
+        stack.enter_context(log_probs(impl=impl))
+        if sampling:
+            stack.enter_context(jaxhead_sampling())
         yield

@@ -6,8 +6,8 @@ folder of a Tunix source checkout at the installed version's tag and run pytest 
            print(os.path.dirname(t.__file__))')/conftest.py" tests/conftest.py
     JAX_PLATFORMS=cpu python -m pytest -p no:cacheprovider tests/rl/grpo tests/rl/ppo
 
-Every test runs inside ``jaxhead.integrations.tunix.drop_in()`` (the policy losses and the
-reference / old-policy / anchor log-probs on jaxhead), with Tunix's test model
+Every test runs inside ``jaxhead.integrations.tunix.drop_in()`` (the policy losses, the
+reference / old-policy / anchor log-probs and the vanilla sampler's draw on jaxhead), with Tunix's test model
 ``ToyTransformer`` registered (``register_test_models``); a test in which Tunix's
 full-logits ``compute_per_token_logps`` still ran (a head computation the drop-in missed,
 or a test calling Tunix's own loss directly) errors at teardown. The environment variable

@@ -1,0 +1,62 @@
+"""``sampling``: the draw of Tunix's vanilla sampler on jaxhead.
+
+Tunix 0.1.7's ``tunix.generate.sampler.Sampler`` (``rollout_engine="vanilla"``) draws each
+token in ``top_p`` mode (any ``top_p`` set, ``1.0`` included) with the module function
+``tunix.generate.sampler.sample_top_p``: ``jax.random.categorical`` over the tempered
+``[B, V]`` logits, one Gumbel variate per vocabulary id, after a sort of the row when
+``top_k`` / ``top_p`` truncate. At V = 151,936 that noise costs most of a decode step on a
+CPU (0.9 CPU s per ``[128, V]`` step on a 2-core machine, against 0.1 s for the logits'
+matmul). The sampler takes no sampling function, so this module replaces that one
+attribute, restored on exit, with ``jaxhead.sample_from_logits``: the same distribution by
+the two-level draw (one Gumbel variate per block of 128 ids and one uniform per row), the
+same truncation (top-k, then the nucleus inside it), and the same returned log-probs
+(under the tempered, untruncated softmax, as Tunix's). The ``[B, V]`` logits stay: Tunix's
+model computes them in its decode step, outside any hook.
+
+What differs from Tunix's draw: the noise (another random stream, so other tokens from the
+same seed, drawn from the same distribution); ``top_k`` keeps every id tied with the k-th
+(Tunix's ``lax.top_k`` keeps exactly k); ``temperature = 0`` in ``top_p`` mode draws the
+arg-max (Tunix divides by 0). Greedy mode (``top_p=None``, ``sample_best``: an arg-max, no
+noise) and beam search are Tunix's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from tunix.generate import sampler as tunix_sampler
+
+from jaxhead._src.sampling import sample_from_logits
+
+
+def _jaxhead_sample_top_p(original):
+    """``sample_top_p``'s signature, drawn by ``jaxhead.sample_from_logits``."""
+
+    def sample_top_p(logits, key, temperature, top_p, top_k, return_logprobs=False):
+        out = sample_from_logits(
+            logits[:, -1], key, temperature=temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=0 if top_k is None or top_k <= 0 else int(top_k))
+        # Tunix returns the log-prob under the whole tempered softmax
+        return out.tokens, (out.logprobs + out.logmass) if return_logprobs else None
+
+    sample_top_p.original = original
+    return sample_top_p
+
+
+@contextlib.contextmanager
+def sampling() -> Iterator[None]:
+    """Inside the block, Tunix's vanilla sampler draws its ``top_p``-mode tokens with
+    ``jaxhead.sample_from_logits`` (``tunix.generate.sampler.sample_top_p`` is replaced;
+    see the module docstring for what differs). Restored on exit, errors included; blocks
+    nest. The sampler looks the function up when it traces its prefill and decode steps,
+    so a ``Sampler`` whose steps were compiled outside the block keeps the draw it compiled
+    with (and one compiled inside keeps jaxhead's). Not thread-safe while entering or
+    leaving."""
+    original = tunix_sampler.sample_top_p
+    tunix_sampler.sample_top_p = _jaxhead_sample_top_p(original)
+    try:
+        yield
+    finally:
+        tunix_sampler.sample_top_p = original
