@@ -5,9 +5,10 @@
 Two GRPO steps of a tiny random Qwen3 (float32, tied head) on CPU, with a character
 tokenizer and a toy reward. With a real model, tokenizer and cluster, only the ``with`` line
 in ``main`` is new: inside it the learner's policy loss, reference and old-policy log-probs
-come from ``jaxhead.integrations.tunix``; the block restores Tunix's own on exit.
-``tests/jaxhead/test_tunix.py`` trains this cluster with and without the line and compares
-the metrics.
+come from ``jaxhead.integrations.tunix`` and the rollouts are drawn by jaxhead; the block
+restores Tunix's own on exit. ``tests/jaxhead/test_tunix.py`` trains this cluster with and
+without ``drop_in(sampling=False)`` (Tunix's draw kept, so the completions are the same) and
+compares the metrics, and trains it inside the whole ``drop_in()``.
 
 The prompts are a numpy array of strings, as Tunix's learner expects: it repeats every
 batch entry ``num_generations`` times with ``np.repeat`` over the batch's leaves, so a

@@ -33,17 +33,23 @@ def _static(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _check_settings(vocab, num_valid, temperature, top_k, top_p, min_p) -> int:
+def _check_settings(rows, vocab, num_valid, temperature, top_k, top_p, min_p,
+                    vocab_chunk) -> int:
     """``num_valid`` (V when None) after checking the draw's settings against ``vocab``."""
+    if rows < 1:
+        raise ValueError(f"sampling needs at least one row, got B = {rows}")
+    if not (isinstance(vocab_chunk, int) and vocab_chunk > 0):
+        raise ValueError(f"vocab_chunk must be a positive int, got {vocab_chunk!r}")
     num_valid = vocab if num_valid is None else int(num_valid)
     if not 0 < num_valid <= vocab:
         raise ValueError(f"num_valid must be in [1, V={vocab}], got {num_valid}")
-    if _static(temperature) and not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if _static(temperature) and not 0 <= temperature < float("inf"):
+        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
     if jnp.ndim(temperature) != 0:
         raise ValueError(f"temperature must be a scalar (one for the whole batch), got "
                          f"shape {jnp.shape(temperature)}")
-    if isinstance(top_k, (bool, float)) or (_static(top_k) and not 0 <= top_k <= vocab):
+    if (isinstance(top_k, (bool, float)) or (_static(top_k) and not 0 <= top_k <= vocab)
+            or not jnp.issubdtype(jnp.result_type(top_k), jnp.integer)):
         raise ValueError(f"top_k must be an int in [0, V={vocab}] (0: off), got {top_k!r}")
     if _static(top_p) and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (1: off), got {top_p!r}")
@@ -346,11 +352,15 @@ def sample(
         function then serves greedy and sampled decoding); 0 means greedy (the arg-max of
         the logits, the lowest id among ties; no truncation applies).
       top_k: keep the ``top_k`` most likely ids (ties at the k-th included); 0: off.
-      top_p: keep the smallest most-likely set whose mass reaches ``top_p``; 1: off.
+      top_p: keep the smallest most-likely set whose mass reaches ``top_p`` (ids tied with
+        the least likely one kept are kept too); 1: off.
       min_p: keep ids at least ``min_p`` times as likely as the most likely; 0: off.
         Each of the three is a Python number or a traced scalar: with Python numbers that
         all say off, the chunked untruncated path runs; otherwise the full-logits one
-        (so one compiled function serves every truncation setting).
+        (so one compiled function serves every truncation setting). Only Python numbers
+        are range-checked (nothing can raise under ``jit``): a traced ``temperature < 0``
+        draws greedily, a traced ``top_p <= 0`` keeps the most likely ids, a traced
+        ``top_k`` outside ``[1, V]`` is off.
       softcap: soft-cap ``c`` of the head (``z = c tanh(u / c)``) or None.
       num_valid: only ids ``< num_valid`` are drawn (None: all V).
       vocab_chunk: vocabulary entries per tile of the untruncated path (rounded up to a
@@ -362,15 +372,17 @@ def sample(
 
     Raises:
       ValueError: bad shapes (a weight that does not match ``H`` in ``weight_layout``: the
-        layout named), an unknown ``weight_layout``, ``temperature < 0`` or not a scalar, ``num_valid`` outside
-        ``[1, V]``, or ``top_k`` / ``top_p`` / ``min_p`` outside their ranges (the value
-        named).
+        layout named), an unknown ``weight_layout``, no rows, ``temperature`` negative,
+        infinite or not a scalar, ``num_valid`` outside ``[1, V]``, ``top_k`` not an integer,
+        ``top_k`` / ``top_p`` / ``min_p`` outside their ranges, or ``vocab_chunk`` not a
+        positive int (the value named).
     """
     if hidden.ndim != 2:
         raise ValueError(f"hidden must be [B, H], got shape {hidden.shape}")
     validation.check_weight(hidden.shape, weight.shape, weight_layout)
     vocab = layout.sizes(weight.shape, weight_layout)[1]
-    num_valid = _check_settings(vocab, num_valid, temperature, top_k, top_p, min_p)
+    num_valid = _check_settings(hidden.shape[0], vocab, num_valid, temperature, top_k,
+                                top_p, min_p, vocab_chunk)
     return _draw(_head_source(hidden, weight, weight_layout, softcap), key, num_valid,
                  temperature, top_k, top_p, min_p, vocab_chunk)
 
@@ -398,7 +410,8 @@ def sample_from_logits(
 
     Args:
       logits: ``[B, V]`` pre-temperature logits, any float dtype (read in float32);
-        ``-inf`` marks an id that cannot be drawn. NaN is not checked.
+        ``-inf`` marks an id that cannot be drawn. NaN and ``+inf`` are not checked (a row
+        holding one draws an unspecified token with a ``-inf`` or NaN log-prob).
       key: a JAX PRNG key (as ``sample``).
       temperature, top_k, top_p, min_p, num_valid, vocab_chunk: as ``sample``.
 
@@ -409,11 +422,12 @@ def sample_from_logits(
       ValueError: ``logits`` not 2-D or not floating point (its shape / dtype named), or a
         setting out of range (as ``sample``, the value named).
     """
-    if jnp.ndim(logits) != 2:
-        raise ValueError(f"logits must be [B, V], got shape {jnp.shape(logits)}")
-    if not jnp.issubdtype(jnp.result_type(logits), jnp.floating):
-        raise ValueError(f"logits must be floating point, got {jnp.result_type(logits)}")
     logits = jnp.asarray(logits)
-    num_valid = _check_settings(logits.shape[1], num_valid, temperature, top_k, top_p, min_p)
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
+    if not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    num_valid = _check_settings(logits.shape[0], logits.shape[1], num_valid, temperature,
+                                top_k, top_p, min_p, vocab_chunk)
     return _draw(_logits_source(logits), key, num_valid, temperature, top_k, top_p, min_p,
                  vocab_chunk)

@@ -64,3 +64,14 @@ def test_bad_arguments_raise():
         jaxhead.sample_from_logits(logits, key, top_k=21)
     with pytest.raises(ValueError, match="num_valid must be in"):
         jaxhead.sample_from_logits(logits, key, num_valid=0)
+    with pytest.raises(ValueError, match="vocab_chunk must be a positive int, got 0"):
+        jaxhead.sample_from_logits(logits, key, vocab_chunk=0)
+    with pytest.raises(ValueError, match="at least one row, got B = 0"):
+        jaxhead.sample_from_logits(logits[:0], key)
+    with pytest.raises(ValueError, match="temperature must be finite and >= 0, got inf"):
+        jaxhead.sample_from_logits(logits, key, temperature=float("inf"))
+    with pytest.raises(ValueError, match=r"top_k must be an int .* got np.float32\(3.0\)"):
+        jaxhead.sample_from_logits(logits, key, top_k=np.float32(3))
+    # a nested list is an array like any other
+    out = jaxhead.sample_from_logits([[0.0, 5.0, -np.inf]], key, temperature=0.0)
+    assert int(out.tokens[0]) == 1

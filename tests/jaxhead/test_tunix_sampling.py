@@ -100,6 +100,16 @@ def test_the_draw_follows_the_softmax_of_tunix_logits(truncation, monkeypatch):
     np.testing.assert_allclose(logprobs, logp[tokens], atol=1e-5)
 
 
+def test_every_top_p_tunix_accepts():
+    """Tunix takes any float ``top_p``: 0 keeps its most likely id, above 1 is untruncated;
+    inside the block both draw (``sample_from_logits`` refuses such values itself)."""
+    with jaxhead_tunix.sampling():
+        top, _ = _first_tokens(0.8, top_p=0.0)
+        wide, _ = _first_tokens(0.8, top_p=1.5)
+    np.testing.assert_array_equal(top, np.argmax(_prompt_logits()))
+    assert len(np.unique(wide)) > 5
+
+
 def test_restored_on_exit_errors_included():
     tunix_draw = tunix_sampler.sample_top_p
     with pytest.raises(RuntimeError), jaxhead_tunix.sampling():

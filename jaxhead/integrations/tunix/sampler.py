@@ -14,10 +14,16 @@ same truncation (top-k, then the nucleus inside it), and the same returned log-p
 model computes them in its decode step, outside any hook.
 
 What differs from Tunix's draw: the noise (another random stream, so other tokens from the
-same seed, drawn from the same distribution); ``top_k`` keeps every id tied with the k-th
-(Tunix's ``lax.top_k`` keeps exactly k); ``temperature = 0`` in ``top_p`` mode draws the
-arg-max (Tunix divides by 0). Greedy mode (``top_p=None``, ``sample_best``: an arg-max, no
-noise) and beam search are Tunix's.
+same seed, drawn from the same distribution); at the edge of a truncated support: ids tied
+with the last one kept are kept (Tunix's ``lax.top_k`` keeps exactly k, its nucleus cuts
+through ties), and the nucleus is the smallest set whose mass reaches ``top_p`` (Tunix keeps
+each id whose preceding mass is at most ``top_p``, one more id where that mass is exactly
+``top_p``); with bf16 compute, whose logits take few distinct values, ties are common and a
+truncated support can be a few ids larger than Tunix's. Settings Tunix accepts are mapped:
+``top_p >= 1`` is untruncated, ``top_p <= 0`` keeps the most likely id(s) (Tunix: the
+first of them). ``temperature = 0`` in ``top_p`` mode draws the arg-max and returns its
+log-prob at temperature 1 (Tunix divides by 0: NaN). Greedy mode (``top_p=None``,
+``sample_best``: an arg-max, no noise) and beam search are Tunix's.
 """
 
 from __future__ import annotations
@@ -34,10 +40,13 @@ def _jaxhead_sample_top_p(original):
     """``sample_top_p``'s signature, drawn by ``jaxhead.sample_from_logits``."""
 
     def sample_top_p(logits, key, temperature, top_p, top_k, return_logprobs=False):
-        out = sample_from_logits(
-            logits[:, -1], key, temperature=temperature,
-            top_p=1.0 if top_p is None else top_p,
-            top_k=0 if top_k is None or top_k <= 0 else int(top_k))
+        top_k = 0 if top_k is None or top_k <= 0 else int(top_k)
+        if top_p is None or top_p >= 1:
+            top_p = 1.0
+        elif top_p <= 0:  # Tunix's nucleus then keeps only its most likely id
+            top_p, top_k = 1.0, 1
+        out = sample_from_logits(logits[:, -1], key, temperature=temperature, top_p=top_p,
+                                 top_k=top_k)
         # Tunix returns the log-prob under the whole tempered softmax
         return out.tokens, (out.logprobs + out.logmass) if return_logprobs else None
 
@@ -51,9 +60,11 @@ def sampling() -> Iterator[None]:
     ``jaxhead.sample_from_logits`` (``tunix.generate.sampler.sample_top_p`` is replaced;
     see the module docstring for what differs). Restored on exit, errors included; blocks
     nest. The sampler looks the function up when it traces its prefill and decode steps,
-    so a ``Sampler`` whose steps were compiled outside the block keeps the draw it compiled
-    with (and one compiled inside keeps jaxhead's). Not thread-safe while entering or
-    leaving."""
+    and each traced variant (shapes, temperature, ``top_p``, ``top_k``) keeps the draw it
+    was traced with: a ``Sampler`` called before the block with the same settings keeps
+    Tunix's draw inside it, and one called inside keeps jaxhead's after it for those
+    settings. Build and first call the sampler inside the block (a learner trained inside
+    it does). Not thread-safe while entering or leaving."""
     original = tunix_sampler.sample_top_p
     tunix_sampler.sample_top_p = _jaxhead_sample_top_p(original)
     try:
