@@ -48,8 +48,8 @@ def _check_settings(rows, vocab, num_valid, temperature, top_k, top_p, min_p,
     if jnp.ndim(temperature) != 0:
         raise ValueError(f"temperature must be a scalar (one for the whole batch), got "
                          f"shape {jnp.shape(temperature)}")
-    if (isinstance(top_k, (bool, float)) or (_static(top_k) and not 0 <= top_k <= vocab)
-            or not jnp.issubdtype(jnp.result_type(top_k), jnp.integer)):
+    if (not jnp.issubdtype(jnp.result_type(top_k), jnp.integer)  # bool and float too
+            or (_static(top_k) and not 0 <= top_k <= vocab)):
         raise ValueError(f"top_k must be an int in [0, V={vocab}] (0: off), got {top_k!r}")
     if _static(top_p) and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (1: off), got {top_p!r}")

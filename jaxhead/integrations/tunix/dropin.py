@@ -45,6 +45,7 @@ from tunix.rl import common
 
 from jaxhead.integrations.tunix import logps
 from jaxhead.integrations.tunix.losses import policy_losses
+from jaxhead.integrations.tunix.patching import replaced
 from jaxhead.integrations.tunix.sampler import sampling as jaxhead_sampling
 
 
@@ -79,12 +80,9 @@ def log_probs(*, impl: str = "auto") -> Iterator[None]:
     Args:
       impl: the jaxhead implementation (``"auto"``: by backend).
     """
-    original = common.compute_per_token_logps
-    common.compute_per_token_logps = _jaxhead_compute_per_token_logps(original, impl)
-    try:
+    with replaced(common, "compute_per_token_logps",
+                  lambda original: _jaxhead_compute_per_token_logps(original, impl)):
         yield
-    finally:
-        common.compute_per_token_logps = original
 
 
 @contextlib.contextmanager

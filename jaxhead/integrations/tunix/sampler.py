@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from tunix.generate import sampler as tunix_sampler
 
 from jaxhead._src.sampling import sample_from_logits
+from jaxhead.integrations.tunix.patching import replaced
 
 
 def _jaxhead_sample_top_p(original):
@@ -65,9 +66,5 @@ def sampling() -> Iterator[None]:
     Tunix's draw inside it, and one called inside keeps jaxhead's after it for those
     settings. Build and first call the sampler inside the block (a learner trained inside
     it does). Not thread-safe while entering or leaving."""
-    original = tunix_sampler.sample_top_p
-    tunix_sampler.sample_top_p = _jaxhead_sample_top_p(original)
-    try:
+    with replaced(tunix_sampler, "sample_top_p", _jaxhead_sample_top_p):
         yield
-    finally:
-        tunix_sampler.sample_top_p = original
