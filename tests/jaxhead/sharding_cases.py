@@ -112,4 +112,16 @@ def weight_layout_case() -> dict:
             "dweight_shape": list(dw.shape),
             "dweight_spec": str(dw.sharding.spec),
         }
+    # a kept label outside [0, V) under jit: NaN in its log-prob and in both gradients
+    bad = labels.at[0, int(np.flatnonzero(keep[0])[0])].set(v)
+
+    def bad_loss(hd, w, y):  # traced labels: no eager check
+        out = jaxhead.sharded_token_logprobs(hd, w, y, keep, mesh=mesh, weight_layout="vh",
+                                             **HEAD_CONFIGS["vocab_parallel"], **kw)
+        return jnp.sum(jnp.where(keep, out.logprobs, 0.0))
+
+    loss, (dh, dw) = jax.jit(jax.value_and_grad(bad_loss, (0, 1)))(hidden, weight.T, bad)
+    results["invalid_label"] = {"loss_nan": bool(jnp.isnan(loss)),
+                                "dhidden_nan": bool(jnp.isnan(dh).any()),
+                                "dweight_all_nan": bool(jnp.isnan(dw).all())}
     return results

@@ -18,6 +18,7 @@ import numpy as np
 from jaxhead import dispatch
 from jaxhead._src import compaction, validation
 from jaxhead._src.buckets import bucket_size
+from jaxhead._src.head import invalid
 from jaxhead._src.head import layout, pallas_tpu, pallas_triton, probe, reference, xla, xla_cpu
 from jaxhead._src.head.base import HeadImplementation, HeadSpec
 from jaxhead._src.head.layout import WeightLayout
@@ -304,6 +305,9 @@ def token_logprobs(
     spec = HeadSpec(rows, hidden_size, vocab_size, jnp.dtype(hidden.dtype).name, softcap,
                     with_entropy, truncated=min_logit is not None, weight_layout=weight_layout)
     head, made, padded = plan(impl, config, spec)
+    # under jit: an invalid kept token makes both gradients NaN too, not only its log-prob
+    hidden, weight = invalid.nan_gradients_if(
+        invalid.invalid_kept(labels, keep, vocab_size, padded), hidden, weight)
     logp, ent = run_compacted(
         head, made, padded, hidden.reshape(num_tokens, hidden_size), weight,
         labels.reshape(num_tokens).astype(jnp.int32), *row_inputs(temperature, min_logit,

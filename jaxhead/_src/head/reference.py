@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxhead._src import validation
-from jaxhead._src.head import layout
+from jaxhead._src.head import invalid, layout
 from jaxhead._src.head.base import HeadSpec, Implementation
 from jaxhead._src.head.layout import WeightLayout
 from jaxhead._src.types import HeadOutput
@@ -56,6 +56,10 @@ def reference_token_logprobs(
     validation.check_values(labels, keep, temperature,
                             layout.sizes(weight.shape, weight_layout)[1])
     dtype = jnp.promote_types(jnp.float32, hidden.dtype)
+    # under jit: an invalid kept label makes both gradients NaN too, as in token_logprobs
+    n = max(labels.size, 1)
+    hidden, weight = invalid.nan_gradients_if(invalid.invalid_kept(
+        labels, keep, layout.sizes(weight.shape, weight_layout)[1], n), hidden, weight)
     if keep is not None:
         hidden = jnp.where(keep[..., None], hidden, jnp.zeros((), hidden.dtype))
     u = jnp.einsum(  # contracts H in either layout: no transpose of the weight
@@ -71,6 +75,7 @@ def reference_token_logprobs(
         z = jnp.where(inside, z, -jnp.inf)
     logp_all = jax.nn.log_softmax(z, axis=-1)
     logp = jnp.take_along_axis(logp_all, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    logp = jnp.where((labels >= 0) & (labels < z.shape[-1]), logp, jnp.nan)  # the label rule
     p = jnp.exp(logp_all)  # 0 log 0 = 0, with a zero (not NaN) gradient
     plogp = jnp.where(p > 0, p * jnp.where(p > 0, logp_all, 0.0), 0.0)
     ent = -jnp.sum(plogp, axis=-1) if with_entropy else None

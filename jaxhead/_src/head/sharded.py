@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhead._src import validation
 from jaxhead._src.buckets import DEFAULT_GROWTH, DEFAULT_MULTIPLE, bucket_size
-from jaxhead._src.head import api, layout, pallas_mode
+from jaxhead._src.head import api, invalid, layout, pallas_mode
 from jaxhead._src.head.base import HeadSpec
 from jaxhead._src.head.layout import WeightLayout
 from jaxhead._src.types import HeadOutput
@@ -231,6 +231,8 @@ def sharded_token_logprobs(
     def body(h, w, y, temperature, min_logit, k=None):
         w = jax.lax.pcast(w, token_axes, to="varying") if token_axes else w
         n = math.prod(y.shape)
+        # an invalid kept token of this shard: NaN gradients too (psum spreads dw's)
+        h, w = invalid.nan_gradients_if(invalid.invalid_kept(y, k, vocab_size, padded), h, w)
         logp, ent = api.run_compacted(
             head, made, padded, h.reshape(n, h.shape[-1]), w, y.reshape(n).astype(jnp.int32),
             temperature.reshape(n), min_logit.reshape(n), None if k is None else k.reshape(n),
