@@ -3,7 +3,8 @@
     python -m train.grpo --config=configs/grpo_qwen3_30b_a3b.py \
         --config.model.hf_checkpoint=/path/to/Qwen3-30B-A3B
 
-``grpo_qwen3_0p6b.py`` scaled up: bf16 parameters too, longer prompts and completions,
+``grpo_qwen3_0p6b.py`` scaled up: bf16 compute with float32 parameters (the master
+weights) and Adam moments as there, longer prompts and completions,
 larger groups, no KL term, the DAPO upper clip; the head accumulates in float32 (jaxhead);
 the MoE load-balancing loss is added with the checkpoint's ``router_aux_loss_coef``.
 
@@ -18,7 +19,6 @@ from configs import grpo_qwen3_0p6b
 def get_config():
     c = grpo_qwen3_0p6b.get_config()
     c.workdir = "runs/grpo_qwen3_30b_a3b"
-    c.model.param_dtype = "bfloat16"
     c.data.tasks = ("gsm_symbolic", "basic_arithmetic", "chain_sum")
     c.data.max_prompt_len = 1024
     c.rollout.prompts_per_step = 64

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import jax.numpy as jnp
 from ml_collections import ConfigDict
 
 from models.mesh import AXES
@@ -81,6 +82,15 @@ def _rows(row_len: int, row_multiple: int) -> dict:
     }
 
 
+def _nonfinite() -> dict:
+    """The non-finite guard of a stage (``train.nonfinite``)."""
+    return {
+        # an update with a non-finite log-prob, ratio, loss, gradient or update is skipped
+        # (named on stderr, counted as nonfinite_updates); this many in a row stop the run
+        "max_nonfinite_updates": Key(8, d.integer(1), resume=FREE),
+    }
+
+
 def schema() -> d.Schema:
     """Every key of a trainer config: ``Key(default, domain[, resume])`` (see the comments
     for what each means)."""
@@ -136,6 +146,7 @@ def schema() -> d.Schema:
             "batch_size": Key(32, d.integer(1)),  # sequences per step
             **_rows(256, 4),
             "log_every": Key(10, d.integer(1), resume=FREE),
+            **_nonfinite(),
             "optim": _optim(2e-3, 50),
         },
 
@@ -149,7 +160,8 @@ def schema() -> d.Schema:
             # G completions per prompt (group advantages need two)
             "group_size": Key(8, d.integer(2)),
             "max_new_tokens": Key(16, d.integer(1)),
-            "temperature": Key(1.0, d.number(0, note=" (0: greedy)")),
+            # > 0: GRPO learns from samples (greedy decoding is for evaluation only)
+            "temperature": Key(1.0, d.number(0, lo_open=True)),
             # truncated sampling (any combination; full-logits path): the support is
             # {v : l_v >= tau}, recorded per token so that the trainer can score on it
             "top_k": Key(0, d.integer(0, note=" (0: off)")),  # > 0: the k most likely tokens
@@ -202,6 +214,7 @@ def schema() -> d.Schema:
             "mini_batches": Key(1, d.integer(1)),
             "micro_batches": Key(1, d.integer(1)),
             "log_every": Key(1, d.integer(1), resume=FREE),
+            **_nonfinite(),
             "optim": _optim(1e-4, 10),
         },
 
@@ -309,9 +322,30 @@ def _context_rows(cfg) -> list[tuple[str, str]]:
             for stage in ("sft", "train") if cfg.mesh.context > 1 and cfg[stage].row_len % parts]
 
 
+def _updates_round_away(cfg) -> list[tuple[str, str]]:
+    """An Adam update moves a weight by about the learning rate. Below half the spacing of
+    the parameters' dtype at 1.0 (a norm scale's initial value) it rounds away: bfloat16
+    weights hold 8 significant bits (spacing 2^-7 at 1.0), so at any usual rate the norm
+    scales never move and most other weights rarely do. The stage's smallest peak rate
+    (``lr`` times the smallest ``lr_multipliers`` entry) must exceed it."""
+    spacing = float(jnp.finfo(cfg.model.param_dtype).eps)  # at 1.0
+    out = []
+    for stage in ("sft", "train"):
+        optim = cfg[stage].optim
+        lr = optim.lr * min([1.0, *(m for _, m in optim.lr_multipliers)])
+        if cfg[stage].steps > 0 and lr < spacing / 2:
+            why = (f"{cfg.model.param_dtype} parameters round away an update of {stage}.optim."
+                   f"lr{'' if lr == optim.lr else ' x multiplier'} = {lr:g}, below half their "
+                   f"spacing at 1.0 ({spacing / 2:g}): the weights would not train; use "
+                   f"param_dtype='float32' (float32 master weights and Adam moments) with "
+                   f"model.dtype='bfloat16' (bf16 compute)")
+            out.append(("model.param_dtype", why))
+    return out
+
+
 #: Constraints between keys, checked once every key is in its domain.
 RELATIONS: list[d.Relation] = [_one_free_axis, _model, _task_kwargs, _tokenizer,
-                               _mini_batches, _context_rows]
+                               _mini_batches, _context_rows, _updates_round_away]
 
 
 def base_config() -> ConfigDict:

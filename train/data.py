@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Iterator
 
@@ -49,6 +50,12 @@ def available_tasks() -> list[str]:
     from reasoning_gym.factory import DATASETS
 
     return sorted(DATASETS)
+
+
+def _cut(text, limit: int = 120):
+    """``text`` for an error message: at most ``limit`` characters."""
+    text = str(text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,5 +229,9 @@ class Tasks:
             score = float(ds.score_answer(answer, problem.entry))
         if format_weight and _WELL_FORMED.fullmatch(text):
             score += format_weight
+        if not math.isfinite(score):  # a NaN advantage would reach every weight
+            raise ValueError(
+                f"task {problem.task!r} scored a non-finite reward {score!r} for the problem "
+                f"{_cut(problem.question)!r} with the answer {_cut(answer)!r}")
         return score
 

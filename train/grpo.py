@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 import time
 
-from train import cli, evaluate, experience, plot, rl_loss, rollout, setup, steps, updates
+from train import (cli, evaluate, experience, nonfinite, plot, rl_loss, rollout, setup, steps,
+                   updates)
 from train.experience import generator, rollout_sequences, score, truncation
 from train.loop import Loop, Stage
 from train.metrics import grpo_metrics, machine, peak_flops, train_step_flops
@@ -26,9 +27,10 @@ from train.state import Params
 
 def stage(cfg) -> Stage:
     """The GRPO stage of ``cfg`` (``cfg.train``, ``cfg.rollout``) as the loop sees it."""
-    return Stage(setup.GRPO_DIR, cfg.train.steps, cfg.rollout.prompts_per_step,
-                 cfg.train.log_every, cfg.train.optim, kind="train",
-                 postfix=("reward_mean", "accuracy"))
+    t = cfg.train
+    return Stage(setup.GRPO_DIR, t.steps, cfg.rollout.prompts_per_step, t.log_every, t.optim,
+                 kind="train", postfix=("reward_mean", "accuracy"),
+                 updates_per_step=t.updates_per_batch * t.mini_batches)
 
 
 class GRPOIteration:
@@ -60,6 +62,8 @@ class GRPOIteration:
             row_multiple=s.placement.row_multiple(cfg.train.row_multiple),
             bucket_multiple=cfg.train.bucket_multiple)
         self.peak = peak_flops(cfg.metrics.peak_flops)
+        self.guard = nonfinite.Guard(cfg.train.max_nonfinite_updates, "grpo",
+                                     s.writer.enabled)
 
     def __call__(self, params, opt_state, problems, key, step):
         cfg, s = self.cfg, self.s
@@ -79,6 +83,9 @@ class GRPOIteration:
         # log-probs, the clipped-surrogate updates
         params, opt_state, report = self.updater(params, opt_state, seqs, key,
                                                  self.ref_params)
+        many = len(report.updates) > 1  # the updates named <epoch>.<mini-batch>
+        skipped = self.guard.observe(step, [(f"{e}.{m}" if many else "", metrics)
+                                            for (e, m), metrics in report.updates])
 
         def metrics():
             epochs = self.schedule.epochs
@@ -86,8 +93,9 @@ class GRPOIteration:
                                               context=report.real / len(seqs.prompts) / 2)
             times = {"rollout": t1 - t0, "reference": t2 - t1 + report.seconds["reference"],
                      "train": report.seconds["train"]}
-            return grpo_metrics(report, rewards, correct, ro, epochs=epochs, times=times,
-                                flops=flops, peak=self.peak)
+            return {**grpo_metrics(report, rewards, correct, ro, epochs=epochs, times=times,
+                                   flops=flops, peak=self.peak),
+                    "nonfinite_updates": skipped}
 
         return params, opt_state, metrics
 

@@ -57,6 +57,9 @@ class Stage:
       final_params_only: the last checkpoint holds the parameters only (no optimiser
         state, no RNG key): for a stage another stage continues from, whose finished
         state nothing but its parameters is read from (the SFT stage of ``train.grpo``).
+      updates_per_step: optimizer updates each step makes (GRPO: ``updates_per_batch x
+        mini_batches``); the learning-rate schedule still counts steps
+        (``train.optim.make_optimizer``).
     """
 
     name: str
@@ -67,20 +70,24 @@ class Stage:
     kind: str
     postfix: tuple[str, ...] = ()
     final_params_only: bool = False
+    updates_per_step: int = 1
 
 
 class Loop:
     """The loop of one stage of a run (see the module docstring).
 
     Attributes:
-      tx, schedule: the optimiser (``make_optimizer(stage.optim, stage.steps)``) and its
-        learning rate per step, created once; the stage builds its jitted step with ``tx``.
+      tx, schedule: the optimiser (``make_optimizer(stage.optim, stage.steps,
+        stage.updates_per_step)``) and its learning rate per step (every update of step
+        ``s`` applies ``schedule(s - 1)``, the ``lr`` logged), created once; the stage
+        builds its jitted step with ``tx``.
       frozen: the stage's frozen parameter-name prefixes (``optim.frozen``).
     """
 
     def __init__(self, cfg, s: Setup, stage: Stage):
         self.cfg, self.s, self.stage = cfg, s, stage
-        self.tx, self.schedule = make_optimizer(stage.optim, stage.steps)
+        self.tx, self.schedule = make_optimizer(stage.optim, stage.steps,
+                                                 stage.updates_per_step)
         self.frozen = frozen_prefixes(stage.optim)
         self.directory = s.workdir / stage.name
 

@@ -48,19 +48,50 @@ def is_frozen(name: str, frozen: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in frozen)
 
 
-def make_optimizer(cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def per_update(steps_schedule: optax.Schedule, updates_per_step: int) -> optax.Schedule:
+    """The rate of optimizer update ``u`` (optax's count, from 0) when each training step
+    makes ``updates_per_step`` updates: ``steps_schedule(u // updates_per_step)``, so every
+    update of step ``s`` (from 1) applies ``steps_schedule(s - 1)``, the rate the loop logs.
+
+    Raises:
+      ValueError: ``updates_per_step`` not a positive integer.
+    """
+    if isinstance(updates_per_step, bool) or not isinstance(updates_per_step, int) or (
+            updates_per_step < 1):
+        raise ValueError(f"updates_per_step must be a positive integer, got "
+                         f"{updates_per_step!r}")
+    if updates_per_step == 1:
+        return steps_schedule
+    return lambda count: steps_schedule(count // updates_per_step)
+
+
+def make_optimizer(cfg, total_steps: int, updates_per_step: int = 1
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """``(tx, schedule)``: ``clip_by_global_norm(cfg.clip_norm)`` then
-    ``adamw(schedule, b1, b2, eps, weight_decay)``; parameters named by ``cfg.frozen``
+    ``adamw(rate, b1, b2, eps, weight_decay)``; parameters named by ``cfg.frozen``
     get a zero update and no optimiser state (``optax.multi_transform``).
     ``tx.init`` raises ``ValueError`` for a ``frozen`` / ``lr_multipliers`` prefix that
     matches no parameter (``check_prefixes``).
 
+    The schedule counts training steps (``warmup_steps`` too), whatever the number of
+    optimizer updates each makes (a GRPO step makes ``updates_per_batch x mini_batches``):
+    optax advances a schedule once per update, so ``rate`` is ``per_update(schedule,
+    updates_per_step)``, constant over a step's updates. This is how PPO-style trainers
+    anneal the rate once per rollout (CleanRL; verl since its issue #399), and it keeps
+    ``warmup_steps`` and the decay's length in the unit the config gives them.
+
     Args:
       cfg: the ``optim`` config section (lr, warmup_steps, decay, end_lr_ratio, b1, b2,
         eps, weight_decay, clip_norm, frozen).
-      total_steps: length of the schedule.
+      total_steps: length of the schedule in training steps.
+      updates_per_step: optimizer updates per training step.
+
+    Returns:
+      ``tx`` and ``schedule``, the rate of each training step (``schedule(s - 1)`` for
+      step ``s``: the rate every update of that step applies).
     """
-    lr = schedule(cfg, total_steps)
+    steps_lr = schedule(cfg, total_steps)
+    lr = per_update(steps_lr, updates_per_step)
 
     def adamw(mult: float):
         rate = lr if mult == 1.0 else (lambda step: mult * lr(step))
@@ -70,7 +101,7 @@ def make_optimizer(cfg, total_steps: int) -> tuple[optax.GradientTransformation,
     frozen = frozen_prefixes(cfg)
     mults = lr_multipliers(cfg)
     if not frozen and not mults:
-        return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw(1.0)), lr
+        return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw(1.0)), steps_lr
 
     def label(name: str) -> str:
         if is_frozen(name, frozen):
@@ -88,7 +119,7 @@ def make_optimizer(cfg, total_steps: int) -> tuple[optax.GradientTransformation,
     groups.update({f"group{i}": adamw(m) for i, (_, m) in enumerate(mults)})
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
                      optax.multi_transform(groups, labels))
-    return tx, lr
+    return tx, steps_lr
 
 
 def check_prefixes(names: list[str], prefixes: tuple[str, ...]) -> None:

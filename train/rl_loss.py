@@ -44,6 +44,12 @@ Sources:
   token form of its eq. 13 (``GSPO-token``, Tunix's ``loss_algo="gspo-token"``):
   ``s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)]``, equal to ``s_i`` in value, whose
   gradient is ``s_i`` times the token's.
+* Bounded ratios: a ratio is ``exp`` of a difference of log-probs, and a sampled token far
+  below the old policy (log-ratio >= 88.7) overflows float32; the branch of the clipped
+  surrogate that ``min`` leaves unused then has gradient ``0 * inf = NaN`` while the loss
+  stays finite (prime-rl #2601, slime #2198, NeMo-RL #307). Every ratio here (the token's,
+  GSPO's, the importance weight of TIS and of ratio masking) is ``bounded_exp`` of its
+  log-ratio, held in ``[-MAX_LOG_RATIO, MAX_LOG_RATIO]`` (verl clamps it to the same 20).
 * Split batches: a batch whose loss is summed over parts (the micro-batches of gradient
   accumulation) must normalise each part by the whole batch's token / sequence count, not
   its own: a mean of per-part means weighs a token by the inverse of its part's size, so
@@ -64,6 +70,29 @@ ADVANTAGES = ("grpo", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 RATIO_LEVELS = ("token", "sequence")
+#: The bound on a log-ratio (module docstring, "Bounded ratios"): ``e^20 = 4.9e8``.
+MAX_LOG_RATIO = 20.0
+
+
+@jax.custom_jvp
+def bounded_exp(log_ratio: jax.Array) -> jax.Array:
+    """A ratio from its log: ``exp(clip(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO))``, float,
+    same shape; NaN stays NaN.
+
+    Its derivative is the value itself, inside the bound and beyond it: a token past the
+    bound keeps the direction of its gradient, at the size it has at the bound, so the
+    gradient is always finite. Where the clipped surrogate or dual-clip leaves the ratio's
+    branch unused (every case but ``A < 0`` without dual-clip above the bound, and ``A > 0``
+    below it, where the float64 gradient itself is ``-rho A`` at ``|log rho| > 20``) the
+    gradient is the float64 limit, 0.
+    """
+    return jnp.exp(jnp.clip(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+
+
+@bounded_exp.defjvp
+def _bounded_exp_jvp(primals, tangents):
+    ratio = bounded_exp(primals[0])
+    return ratio, ratio * tangents[0]
 
 
 class LossNorm(NamedTuple):
@@ -262,7 +291,7 @@ def _behaviour(cfg: LossConfig, logp, sampler_logp, trainer_logp, mask, total):
     # the trainer's log-probs of the rollout policy: given, or this forward's own
     old = jax.lax.stop_gradient(logp) if trainer_logp is None else trainer_logp
     log_is = jnp.where(mask > 0, old - sampler_logp, 0.0)
-    is_ratio = jnp.exp(log_is)
+    is_ratio = bounded_exp(log_is)
     keep = mask > 0
     if cfg.mask_ratio_low > 0:
         keep = keep & (is_ratio >= cfg.mask_ratio_low)
@@ -283,6 +312,11 @@ def _token_mean(x, mask, total=None):
     with ``total`` (a larger batch's token count) this batch's share of that mean."""
     s = jnp.sum(jnp.where(mask > 0, x, 0.0).astype(jnp.float32))
     return s / jnp.maximum(mask.sum() if total is None else total, 1.0)
+
+
+def _any_nonfinite(x, mask) -> jax.Array:
+    """float32 1.0 if ``x`` is NaN or infinite on a token of ``mask``, else 0.0."""
+    return jnp.any((mask > 0) & ~jnp.isfinite(x)).astype(jnp.float32)
 
 
 def _log_ratio(cfg: LossConfig, logp, old_logp, mask, seq_index, num_seqs):
@@ -312,7 +346,8 @@ def grpo_loss(cfg: LossConfig, logp, old_logp, advantages, mask, seq_index, num_
 
     aggregated by ``cfg.aggregation``. ``rho = exp(logp - a)`` (``ratio_level="token"``)
     or GSPO-token's ``exp(logp - sg(logp) + sg(mean_{t in seq} (logp_t - a_t)))``
-    (``"sequence"``) against the anchor ``a``: ``trainer_logp`` if given, else the
+    (``"sequence"``), each ``exp`` being ``bounded_exp`` (module docstring, "Bounded
+    ratios"), against the anchor ``a``: ``trainer_logp`` if given, else the
     sampler's ``old_logp``, or with a mismatch correction (``cfg.tis_cap``,
     ``cfg.mask_ratio_*``) the trainer's own detached ``logp``. ``w = 1``, or with a
     correction the token's importance weight from ``a / old_logp``. Values at positions
@@ -342,7 +377,8 @@ def grpo_loss(cfg: LossConfig, logp, old_logp, advantages, mask, seq_index, num_
       ``rho > clip_ratio_c``), ``ratio_mean``, ``ratio_max`` (of ``rho``), ``entropy``
       (token mean), ``approx_kl_old`` (k3 of the anchor vs the current policy), and with
       a mismatch correction ``is_ratio_mean``, ``ratio_masked_fraction``,
-      ``tis_capped_fraction``.
+      ``tis_capped_fraction``; ``nonfinite_logprob`` / ``nonfinite_ratio``: 1.0 if ``logp``
+      / ``rho`` is NaN or infinite on a completion token (else 0.0).
 
     Raises:
       ValueError: ``beta > 0`` without ``ref_logp``; ``entropy_coef`` without ``entropy``;
@@ -372,7 +408,7 @@ def grpo_loss(cfg: LossConfig, logp, old_logp, advantages, mask, seq_index, num_
         trainer_logp = jax.lax.stop_gradient(
             jnp.where(jnp.isnan(trainer_logp), logp, trainer_logp))
     old_logp, weight, metrics = _behaviour(cfg, logp, sampler_logp, trainer_logp, mask, total)
-    ratio = jnp.exp(_log_ratio(cfg, logp, old_logp, mask, seq_index, num_seqs))
+    ratio = bounded_exp(_log_ratio(cfg, logp, old_logp, mask, seq_index, num_seqs))
     clipped = jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     unclipped_term, clipped_term = ratio * advantages, clipped * advantages
     pg = -jnp.minimum(unclipped_term, clipped_term)
@@ -392,6 +428,9 @@ def grpo_loss(cfg: LossConfig, logp, old_logp, advantages, mask, seq_index, num_
         "ratio_mean": mean(ratio),
         "ratio_max": jnp.max(jnp.where(mask > 0, ratio, 0.0)),
         "approx_kl_old": mean(kl_estimate(logp, old_logp, "k3")),
+        # what went non-finite on a completion token (train.steps names it)
+        "nonfinite_logprob": _any_nonfinite(logp, mask),
+        "nonfinite_ratio": _any_nonfinite(ratio, mask),
     })
     if ref_logp is not None:
         kl = kl_estimate(logp, jax.lax.stop_gradient(on_mask(ref_logp)), cfg.kl_estimator)

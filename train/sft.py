@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from absl import app
 
-from train import cli, packing, setup, steps
+from train import cli, nonfinite, packing, setup, steps
 from train.loop import Loop, Stage
 from train.placement import place_batch
 from train.state import Params
@@ -51,9 +51,10 @@ def run_sft(cfg, s: setup.Setup, *, final_params_only: bool = False) -> Params:
     step_fn = steps.sft_step(s.mdef, loop.tx, placement, skip=cfg.train.skip_unkept,
                              frozen=loop.frozen)
     row_multiple = placement.row_multiple(cfg.sft.row_multiple)  # rows split over shards
+    guard = nonfinite.Guard(cfg.sft.max_nonfinite_updates, "sft", s.writer.enabled)
 
     def iteration(params, opt_state, problems, key, step):
-        del key, step
+        del key
         t0 = time.perf_counter()
         packed = packing.pack([p.prompt for p in problems],
                               [s.tasks.target_ids(p.answer) for p in problems],
@@ -61,10 +62,13 @@ def run_sft(cfg, s: setup.Setup, *, final_params_only: bool = False) -> Params:
         params, opt_state, m = step_fn(params, opt_state,
                                        place_batch(packed.arrays(), placement.mesh),
                                        bucket=placement.bucket(packed, cfg.sft.bucket_multiple))
+        flags = jax.device_get(nonfinite.pop_flags(m))  # waits for the step
+        skipped = guard.observe(step, [("", flags)])
 
         def metrics():
-            host = jax.device_get(m)  # waits for the step
-            return sft_metrics(host, packed, time.perf_counter() - t0)
+            host = jax.device_get(m)
+            return {**sft_metrics(host, packed, time.perf_counter() - t0),
+                    "nonfinite_updates": skipped}
 
         return params, opt_state, metrics
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from train import packing, rl_loss
+from train import nonfinite, packing, rl_loss
 from train.optim import is_frozen
 from train.placement import Placement
 from train.state import ModelDef, Params
@@ -75,9 +75,13 @@ def _moe_metrics(mdef: ModelDef, out, parts: int = 1) -> dict:
     return {"moe_dropped_fraction": out.dropped_fraction / parts}
 
 
-def _apply(tx, params, opt_state, grads):
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+def _apply(tx, params, opt_state, grads, loss, metrics: dict):
+    """``(params, opt_state, metrics)`` after ``tx``'s update, skipped when anything is
+    non-finite (``train.nonfinite.guarded_update``: its flags join ``metrics``, with
+    ``grad_norm``)."""
+    params, opt_state, flags = nonfinite.guarded_update(tx, params, opt_state, grads, loss,
+                                                        metrics)
+    return params, opt_state, {**metrics, **flags, "grad_norm": optax.tree.norm(grads)}
 
 
 def _jit(fn, placement: Placement | None, out_shardings=None, **jit_kwargs):
@@ -106,12 +110,13 @@ def sft_step(mdef: ModelDef, tx: optax.GradientTransformation,
                             with_entropy=False, frozen=frozen)
         w = b["loss_mask"]
         nll = -(head.logprobs * w).sum() / jnp.maximum(w.sum(), 1.0)
-        return nll + _aux_weight(mdef) * out.aux_loss, {"nll": nll, **_moe_metrics(mdef, out)}
+        bad = nonfinite.flag(jnp.any((w > 0) & ~jnp.isfinite(head.logprobs)))
+        return nll + _aux_weight(mdef) * out.aux_loss, {
+            "nll": nll, "nonfinite_logprob": bad, **_moe_metrics(mdef, out)}
 
     def step(params, opt_state, b, bucket):
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, b, bucket)
-        params, opt_state, gnorm = _apply(tx, params, opt_state, grads)
-        return params, opt_state, {"loss": loss, **metrics, "grad_norm": gnorm}
+        return _apply(tx, params, opt_state, grads, loss, {"loss": loss, **metrics})
 
     return _jit(step, placement, lambda: placement.update_shardings(tx),
                 static_argnames="bucket", donate_argnums=(0, 1))
@@ -231,8 +236,8 @@ def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_los
         else:
             grads, metrics, logp = _accumulate(loss_fn, params, b, ref_logp, norm, num_seqs,
                                                bucket)
-        params, opt_state, gnorm = _apply(tx, params, opt_state, grads)
-        metrics = {**metrics, "grad_norm": gnorm}
+        params, opt_state, metrics = _apply(tx, params, opt_state, grads, metrics["loss"],
+                                            metrics)
         return (params, opt_state, metrics) + ((logp,) if return_logp else ())
 
     def out_shardings():

@@ -31,12 +31,12 @@ BAD = {
     "data.task_kwargs": {"basic_arithmetic": {"min_terms": 2}},
     "data.train_seed": -1, "data.eval_seed": -2, "data.max_prompt_len": 0,
     "data.format_reward": -0.1,
-    "sft.steps": -1, "sft.batch_size": 0, "sft.log_every": 0,
+    "sft.steps": -1, "sft.batch_size": 0, "sft.log_every": 0, "sft.max_nonfinite_updates": 0,
     **{f"sft.{k}": v for k, v in ROWS_BAD.items()},
     **{f"sft.optim.{k}": v for k, v in OPTIM_BAD.items()},
     "init.sft_checkpoint": "MISSING",
     "rollout.prompts_per_step": 0, "rollout.group_size": 1, "rollout.max_new_tokens": 0,
-    "rollout.temperature": -1.0, "rollout.top_k": -1, "rollout.top_p": 0.0,
+    "rollout.temperature": 0.0, "rollout.top_k": -1, "rollout.top_p": 0.0,
     "rollout.min_p": 1.0,
     "loss.advantage": "ppo", "loss.negative_weight": 1.5, "loss.eps_low": 1.0,
     "loss.eps_high": -0.2, "loss.beta": -0.01, "loss.kl_estimator": "k4",
@@ -45,7 +45,7 @@ BAD = {
     "loss.mask_ratio_high": 0.5, "loss.old_logprobs": "reference", "loss.clip_ratio_c": 0.9,
     "loss.ratio_level": "group",
     "train.updates_per_batch": 0, "train.mini_batches": 0, "train.micro_batches": 0,
-    "train.steps": -1, "train.log_every": 0,
+    "train.steps": -1, "train.log_every": 0, "train.max_nonfinite_updates": 0,
     **{f"train.{k}": v for k, v in ROWS_BAD.items()},
     **{f"train.optim.{k}": v for k, v in OPTIM_BAD.items()},
     "checkpoint.every": 0, "checkpoint.keep": 0,
@@ -118,6 +118,31 @@ def test_keys_that_contradict_each_other_are_named(tmp_path, capsys):
     assert status == 2 and lines == [
         "error: mesh.fsdp = -1: at most one mesh axis may be -1, got ['data', 'fsdp']"]
     assert not (tmp_path / "run").exists()
+
+
+def test_updates_that_round_away_are_refused_before_any_work(tmp_path, capsys):
+    """The reported case: the 30B preset shipped ``param_dtype = "bfloat16"`` with
+    ``lr = 1e-6``; 0.4% of the weights ever moved. Refused, naming the rate and the fix."""
+    cfg = load_config(str(ROOT / "configs" / "grpo_qwen3_30b_a3b.py"))
+    assert cfg.model.param_dtype == "float32" and cfg.model.dtype == "bfloat16"
+    cfg.model.param_dtype = "bfloat16"
+    problems = config.check(cfg)
+    assert [p for p in problems if p.startswith("model.param_dtype = 'bfloat16'")] == [
+        "model.param_dtype = 'bfloat16': bfloat16 parameters round away an update of "
+        "train.optim.lr = 1e-06, below half their spacing at 1.0 (0.00390625): the weights "
+        "would not train; use param_dtype='float32' (float32 master weights and Adam "
+        "moments) with model.dtype='bfloat16' (bf16 compute)"], problems
+    cfg = load_config(MICRO)
+    cfg.workdir = str(tmp_path / "run")
+    cfg.model.param_dtype = "bfloat16"  # the micro config's rates: 2e-3 (SFT), 1e-4
+    status, lines = _start(cfg, capsys)
+    assert status == 2 and len(lines) == 2 and all("round away" in ln for ln in lines)
+    assert not (tmp_path / "run").exists()
+    cfg.model.param_dtype = "float32"
+    cfg.train.optim.lr = 1e-8  # below float32's spacing at 1.0 too
+    assert [p.split(",")[0] for p in config.check(cfg)] == [
+        "model.param_dtype = 'float32': float32 parameters round away an update of "
+        "train.optim.lr = 1e-08"]
 
 
 def test_rows_that_do_not_split_over_the_context_axis_are_named(tmp_path, capsys):
