@@ -106,18 +106,24 @@ class LossNorm(NamedTuple):
       tokens: completion tokens of the whole batch (``sum(mask)``).
       seqs: its completions with at least one completion token.
       num_seqs: its completions (``seq-mean-token-sum-norm``'s count).
+      real: its tokens that are not padding (``segment_ids > 0``: the tokens an MoE
+        router counts; ``train.steps`` weighs each part's load-balancing loss by its share
+        of them), or None when not given.
     """
 
     tokens: jax.Array
     seqs: jax.Array
     num_seqs: jax.Array
+    real: jax.Array | None = None
 
     @classmethod
-    def of(cls, mask: np.ndarray, seq_index: np.ndarray, num_seqs: int) -> LossNorm:
+    def of(cls, mask: np.ndarray, seq_index: np.ndarray, num_seqs: int,
+           segment_ids: np.ndarray | None = None) -> LossNorm:
         """The counts of a whole batch from its host arrays ``[R, L]``."""
         scored = np.asarray(seq_index)[np.asarray(mask) > 0]
+        real = None if segment_ids is None else np.float32(np.count_nonzero(segment_ids))
         return cls(np.float32(scored.size), np.float32(np.unique(scored).size),
-                   np.float32(num_seqs))
+                   np.float32(num_seqs), real)
 
 
 def _check(name, value, allowed):

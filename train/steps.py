@@ -66,13 +66,23 @@ def _aux_weight(mdef: ModelDef) -> float:
     return mdef.cfg.router_aux_loss_coef if mdef.cfg.is_moe else 0.0
 
 
-def _moe_metrics(mdef: ModelDef, out, parts: int = 1) -> dict:
+def _moe_metrics(mdef: ModelDef, out, share=1.0) -> dict:
     """``moe_dropped_fraction`` (the real (token, expert) pairs the MoE dropped for
     capacity, ``DecoderOutput.dropped_fraction``) for an MoE model, nothing for a dense
-    one; as one of ``parts`` micro-batches, its share of their mean (``_combine`` sums)."""
+    one; for a micro-batch, weighted by its ``share`` of the mini-batch's real tokens
+    (``_combine`` sums the shares)."""
     if not mdef.cfg.is_moe:
         return {}
-    return {"moe_dropped_fraction": out.dropped_fraction / parts}
+    return {"moe_dropped_fraction": out.dropped_fraction * share}
+
+
+def _real_share(b, norm) -> jax.Array | float:
+    """The batch's share of its mini-batch's real (non-padding) tokens: the weight of its
+    load-balancing loss and MoE metrics (1 for a whole batch). A padding-only micro-batch
+    weighs 0: its router counted nothing."""
+    if norm is None or norm.real is None:
+        return 1.0
+    return jnp.sum(b["segment_ids"] > 0, dtype=jnp.float32) / jnp.maximum(norm.real, 1.0)
 
 
 def _apply(tx, params, opt_state, grads, loss, metrics: dict):
@@ -139,24 +149,27 @@ def reference_logprobs(mdef: ModelDef, placement: Placement | None = None, *,
 
 def grpo_loss_fn(mdef: ModelDef, loss_cfg: rl_loss.LossConfig, temperature: float,
                  skip: bool, frozen: tuple[str, ...] = ()):
-    """``(params, batch, ref_logp, num_seqs, bucket, norm=None, parts=1) -> (loss,
+    """``(params, batch, ref_logp, num_seqs, bucket, norm=None) -> (loss,
     (metrics, logp))``, the differentiable GRPO objective on a packed batch whose values
     hold ``old_logp`` (the sampler's), ``advantages`` and optionally ``trainer_logp``
     (``train.rl_loss.grpo_loss`` plus the MoE load-balancing loss); the metrics are
-    ``grpo_loss``'s and ``_moe_metrics``. ``norm`` (``rl_loss.LossNorm``) and ``parts``:
-    the batch is one of ``parts`` micro-batches of a mini-batch with these counts; the
-    load-balancing loss of each enters with weight ``1 / parts``."""
+    ``grpo_loss``'s and ``_moe_metrics``. ``norm`` (``rl_loss.LossNorm``): the batch is a
+    micro-batch of a mini-batch with these counts; its load-balancing loss (the
+    Switch loss of its own tokens) enters weighted by its share of the mini-batch's real
+    tokens (``_real_share``), so the parts add up to the whole batch's when they route
+    alike, and padding-only parts weigh 0 (MaxText #1483: weighing each of ``m`` parts
+    ``1 / m`` halved the loss with two padding-only parts of four)."""
 
-    def loss_fn(params, b, ref_logp, num_seqs, bucket, norm=None, parts=1):
+    def loss_fn(params, b, ref_logp, num_seqs, bucket, norm=None):
         head, out = _policy(mdef, params, b, skip=skip, bucket=bucket,
                             temperature=temperature, with_entropy=True, frozen=frozen)
         loss, metrics = rl_loss.grpo_loss(
             loss_cfg, head.logprobs, b["old_logp"], b["advantages"], b["loss_mask"],
             b["seq_index"], num_seqs, ref_logp=ref_logp, entropy=head.entropy,
             trainer_logp=b.get("trainer_logp"), norm=norm)
-        aux_weight = _aux_weight(mdef) if parts == 1 else _aux_weight(mdef) / parts
-        metrics = {**metrics, **_moe_metrics(mdef, out, parts)}
-        return loss + aux_weight * out.aux_loss, (metrics, head.logprobs)
+        share = _real_share(b, norm)
+        metrics = {**metrics, **_moe_metrics(mdef, out, share)}
+        return loss + _aux_weight(mdef) * share * out.aux_loss, (metrics, head.logprobs)
 
     return loss_fn
 
@@ -189,7 +202,7 @@ def _accumulate(loss_fn, params, batches, refs, norm, num_seqs, bucket):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def part(params, b, ref):
-        (loss, (metrics, logp)), grads = grad_fn(params, b, ref, num_seqs, bucket, norm, parts)
+        (loss, (metrics, logp)), grads = grad_fn(params, b, ref, num_seqs, bucket, norm)
         return grads, {**metrics, "loss": loss, **_gap_metrics(logp, b, norm)}, logp
 
     def body(carry, x):

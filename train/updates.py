@@ -277,7 +277,7 @@ class Updater:
                 else:
                     batches, ref = placed[m], refs and refs[m]
                 norm = None if micro == 1 else rl_loss.LossNorm.of(
-                    packed.loss_mask, packed.seq_index, packed.num_seqs)
+                    packed.loss_mask, packed.seq_index, packed.num_seqs, packed.segment_ids)
                 args = ((batches[0], ref and ref[0]) if micro == 1 else
                         (tuple(batches), ref and tuple(ref)))
                 out = self.step(params, opt_state, *args, packed.num_seqs, bucket, norm)
