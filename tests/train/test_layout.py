@@ -8,12 +8,14 @@ imports private ``jax._src`` but the one pinned module (``PINNED_PRIVATE``), who
 private names the installed jax must have. And dispatch has one home: no module but
 ``jaxhead/dispatch.py`` defines a platform picker or ``KernelUnsupported``, and every op
 with several implementations (``OP_REGISTRIES``) declares them as ``dispatch.Entry``s of
-one ``dispatch.Registry``."""
+one ``dispatch.Registry``. Every logger the code, the tests or the docs name exists."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import re
+from pathlib import Path
 
 from tests.support import ROOT
 
@@ -332,3 +334,31 @@ def test_every_op_declares_its_implementations_in_one_shape():
         auto = [e for e in entries if e.auto]
         assert auto[-1].platforms is None, module
         assert all(e.platforms is not None for e in entries if e.probe is not None), module
+
+
+#: A logger named in the code, the tests or the docs: ``logger="x"``, logger ``"x"``,
+#: logger `x`.
+LOGGER_MENTION = re.compile(r'logger(?:=| ``| `)"?([A-Za-z_][\w.]*)')
+
+
+def unknown_loggers(root) -> list[tuple[str, str]]:
+    """``(path, name)`` of each logger mentioned under ``root`` (sources, tests, docs) that
+    no module of the packages creates (``logging.getLogger("name")``)."""
+    files = [p for pkg in (*PACKAGES, "tests", "harness", "benchmarks", "docs")
+             for p in (root / pkg).rglob("*") if p.suffix in (".py", ".md")]
+    files += [root / "README.md"] if (root / "README.md").exists() else []
+    created = {m for pkg in PACKAGES for p in (root / pkg).rglob("*.py")
+               for m in re.findall(r'getLogger\("([\w.]+)"\)', p.read_text())}
+    return sorted({(p.relative_to(root).as_posix(), name) for p in files
+                   for name in LOGGER_MENTION.findall(p.read_text()) if name not in created})
+
+
+def test_every_logger_named_exists(tmp_path):
+    this = Path(__file__).relative_to(ROOT).as_posix()  # its examples name others
+    assert [(p, n) for p, n in unknown_loggers(ROOT) if p != this] == []
+    (tmp_path / "jaxhead").mkdir()
+    (tmp_path / "jaxhead" / "d.py").write_text('logger = logging.getLogger("jaxhead")\n')
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "config.py").write_text(
+        '"""falls back with a warning on logger ``"models"``."""\n')
+    assert unknown_loggers(tmp_path) == [("models/config.py", "models")]
