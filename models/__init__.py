@@ -4,6 +4,8 @@ Public API:
   ModelConfig, PRESETS, get_config   architecture + dtype policy, named presets
   Transformer, DecoderOutput         the decoder (hidden states, KV cache, MoE aux loss and
                                      dropped fraction)
+  check_ops                          a config's op choices against the ops (``Transformer``
+                                     calls it; a trainer's config check may too)
   KVCache, init_cache                fixed-size cache for prefill + decode steps
   load_model, save_model, load_config, CheckpointError   HF safetensors import / export
   load_params                        HF parameters read per process in a mesh layout
@@ -25,7 +27,7 @@ from models.sharding import (
     logical_partition_specs,
     state_shardings,
 )
-from models.transformer import DecoderOutput, Transformer
+from models.transformer import DecoderOutput, Transformer, check_ops
 
 __all__ = [
     "BATCH_AXES",
@@ -37,6 +39,7 @@ __all__ = [
     "MeshConfig",
     "ModelConfig",
     "Transformer",
+    "check_ops",
     "get_config",
     "init_cache",
     "init_sharded",

@@ -10,9 +10,6 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from models.attention.api import REGISTRY as ATTENTION
-from models.moe.api import REGISTRY as EXPERT_DISPATCH
-from models.moe.api import check_capacity_factor, check_overflow, check_token_chunk
 from models.scan import REMAT_POLICIES
 from models.sharding import DEFAULT_RULES, normalize_rules
 
@@ -54,9 +51,14 @@ class ModelConfig:
 
     Attention: ``attention_impl`` is ``"auto"`` (by backend: splash on TPU, the Pallas GPU
     kernel on GPU, ``"xla_chunked"`` elsewhere, falling back to ``"xla_chunked"`` with a
-    warning on logger ``"models"`` when a kernel cannot run the shapes) or one of
+    warning on logger ``"jaxhead"`` when a kernel cannot run the shapes) or one of
     ``"xla_chunked"``, ``"splash"``, ``"pallas_gpu"``, ``"dense"`` (the quadratic
     reference); see ``models.attention.api``.
+
+    The op choices (``attention_impl``, ``expert_dispatch``) and the MoE dispatch settings
+    (``expert_capacity_factor``, ``expert_capacity_overflow``, ``moe_token_chunk``) are
+    checked against their ops where the model is built (``models.transformer.check_ops``,
+    called by ``Transformer``), so that this module needs none of the ops.
 
     Expert parallelism (under a mesh with ``expert > 1``): ``expert_dispatch`` is
     ``"auto"`` (``jax.lax.ragged_all_to_all`` on TPU / GPU, the worst-case dense
@@ -98,9 +100,7 @@ class ModelConfig:
 
     Raises:
       ValueError: inconsistent sizes (heads not divisible, odd head_dim, top-k larger than
-        the number of experts, non-positive sizes, an unknown dtype, remat policy or
-        expert dispatch or capacity overflow, an expert capacity factor <= 0, a
-        ``moe_token_chunk`` that is no int > 0,
+        the number of experts, non-positive sizes, an unknown dtype or remat policy,
         ``scan_layers`` over mixed dense / MoE layers, ...).
     """
 
@@ -168,11 +168,6 @@ class ModelConfig:
             )
         if self.num_experts and self.moe_intermediate_size <= 0:
             raise ValueError("an MoE config needs moe_intermediate_size > 0")
-        ATTENTION.check_name(self.attention_impl)
-        EXPERT_DISPATCH.check_name(self.expert_dispatch)
-        check_capacity_factor(self.expert_capacity_factor)
-        check_overflow(self.expert_capacity_overflow)
-        check_token_chunk(self.moe_token_chunk)
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy must be one of {tuple(REMAT_POLICIES)}, got "
                              f"{self.remat_policy!r}")

@@ -7,16 +7,20 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import jaxhead
 from models import context
+from models.attention.api import REGISTRY as ATTENTION
 from models.attention.layer import Attention
 from models.cache import KVCache, check_room, init_cache, layer_view, write_tokens
 from models.config import ModelConfig
 from models.layers import MLP, RMSNorm, embedding
 from models.lookup import embed_lookup
-from models.mesh import active_mesh
+from models.mesh import active_mesh, axis_size
+from models.moe.api import REGISTRY as EXPERT_DISPATCH
+from models.moe.api import check_capacity_factor, check_overflow, check_token_chunk
 from models.moe.layer import MoE, RouterStats, dropped_fraction, load_balancing_loss
 from models.scan import REMAT_POLICIES, layer_at, name_layer_input, scan_layers, stack_modules
 
@@ -74,6 +78,59 @@ class DecoderLayer(nnx.Module):
         return x + out, kv, stats
 
 
+def check_ops(cfg: ModelConfig) -> None:
+    """Check ``cfg``'s op choices against the ops, where the model is built: the
+    attention and expert-dispatch names against their registries (``models.attention.api
+    .REGISTRY``, ``models.moe.api.REGISTRY``), the capacity factor, overflow and token
+    chunk against ``models.moe.api``'s rules (checked for a dense config too: a typo in a
+    config is an error whatever the model).
+
+    Raises:
+      ValueError: the offending field and value named (with the choices for a name).
+    """
+    ATTENTION.check_name(cfg.attention_impl)
+    EXPERT_DISPATCH.check_name(cfg.expert_dispatch)
+    check_capacity_factor(cfg.expert_capacity_factor)
+    check_overflow(cfg.expert_capacity_overflow)
+    check_token_chunk(cfg.moe_token_chunk)
+
+
+def head_rows(x, mesh):
+    """``x [B, S, ...]`` laid out as the head's rows under ``mesh``, as
+    ``Transformer.token_logprobs`` feeds them to the sharded head: with context
+    parallelism (``C > 1`` devices on ``context``) each row's tokens in ``models.context``'s
+    load-balanced order, then token-major, ``[C * B, S / C, ...]`` (split over
+    ``models.context.token_axes``); else ``x`` itself. The one statement of that layout:
+    a trainer's bucket reads its keep mask through it (``head_bucket``), so the bucket
+    and the head cannot disagree.
+
+    Raises:
+      ValueError: ``S`` not a multiple of ``2 C`` (``models.context.balance_order``).
+    """
+    c = context.context_size(mesh)
+    return context.to_token_major(context.balance(x, c), c)
+
+
+def from_head_rows(x, mesh):
+    """The inverse of ``head_rows``: the head's rows back to ``[B, S, ...]`` in token
+    order."""
+    c = context.context_size(mesh)
+    return context.unbalance(context.from_token_major(x, c), c)
+
+
+def head_bucket(keep, mesh, multiple: int = 128) -> int:
+    """The static ``bucket`` ``Transformer.token_logprobs`` needs on ``mesh`` (default
+    ``token_axes``) for a concrete bool ``keep [B, S]``: ``jaxhead.bucket_for_shards`` of
+    the fullest of the head's token shards, its rows laid out by ``head_rows``.
+
+    Raises:
+      ValueError: as ``head_rows`` and ``jaxhead.bucket_for_shards``.
+    """
+    rows = np.asarray(head_rows(np.asarray(keep), mesh))
+    shards = axis_size(mesh, context.token_axes(mesh))
+    return jaxhead.bucket_for_shards(rows, shards, multiple=multiple)
+
+
 def _call_layer(layer: DecoderLayer, x, positions, segment_ids):
     return layer(name_layer_input(x), positions, segment_ids)
 
@@ -91,9 +148,13 @@ class Transformer(nnx.Module):
     Args:
       cfg: the architecture and dtype policy.
       rngs: initialiser keys (``nnx.Rngs(seed)``).
+
+    Raises:
+      ValueError: an op choice of ``cfg`` its op does not have (``check_ops``).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        check_ops(cfg)
         self.cfg = cfg
         self.embed_tokens = embedding(cfg, rngs)
         layers = [DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)]
@@ -267,11 +328,11 @@ class Transformer(nnx.Module):
                                 with_entropy=with_entropy, bucket=bucket, min_logit=min_logit)
             return head, out
         # context parallelism: tokens in load-balanced order through the decoder, the head
-        # on token-major rows, its outputs back in token order (models.context)
+        # on token-major rows (head_rows), its outputs back in token order (models.context)
         c = context.context_size(mesh)
 
         def to_head(x):
-            return None if x is None else context.to_token_major(context.balance(x, c), c)
+            return None if x is None else head_rows(x, mesh)
 
         tokens, positions, segment_ids = (
             context.constrain_tokens(context.balance(x, c), mesh)
@@ -284,6 +345,5 @@ class Transformer(nnx.Module):
             context.to_token_major(out.hidden, c), to_head(labels), to_head(keep),
             token_axes=axes, temperature=temperature, with_entropy=with_entropy,
             bucket=bucket, min_logit=to_head(min_logit))
-        head = jax.tree.map(lambda x: context.unbalance(context.from_token_major(x, c), c),
-                            head)
+        head = jax.tree.map(lambda x: from_head_rows(x, mesh), head)
         return head, out

@@ -284,8 +284,9 @@ def _model(cfg) -> list[tuple[str, str]]:
     if cfg.model.preset not in models.PRESETS:
         return [("model.preset", f"must be one of {sorted(models.PRESETS)}")]
     try:
-        models.get_config(cfg.model.preset, dtype=cfg.model.dtype,
-                          param_dtype=cfg.model.param_dtype, **cfg.model.overrides.to_dict())
+        models.check_ops(models.get_config(
+            cfg.model.preset, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+            **cfg.model.overrides.to_dict()))  # the op names too, before any work
     except (TypeError, ValueError) as err:
         return [("model.overrides", f"not a valid model config: {err}")]
     return []

@@ -41,11 +41,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import jaxhead
 import models
-from models import context
 from models.mesh import AXES, BATCH_AXES, axis_size, batch_sharding, check_divisible, make_mesh
 from models.sharding import logical_to_mesh
+from models.transformer import head_bucket
 from train import state
 
 
@@ -248,9 +247,7 @@ class Placement:
         return rung if max_kept is None else min(rung, max_kept)
 
     def shard_bucket(self, keep, multiple: int = 128) -> int:
-        """``jaxhead.bucket_for_shards`` of a bool ``[B, S]`` keep mask over the head's
-        token shards on this mesh: rows over the batch axes and, with context
-        parallelism, ``models.context``'s token-major rows over ``context`` too."""
-        c = context.context_size(self.mesh)
-        keep = np.asarray(context.to_token_major(context.balance(np.asarray(keep), c), c))
-        return jaxhead.bucket_for_shards(keep, c * self.batch_shards, multiple=multiple)
+        """The head's bucket for a bool ``[B, S]`` keep mask on this mesh, as the model
+        lays out the head's rows (``models.transformer.head_bucket``: rows over the batch
+        axes and, with context parallelism, the token-major rows over ``context`` too)."""
+        return head_bucket(keep, self.mesh, multiple)

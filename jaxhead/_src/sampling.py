@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxhead._src import validation
-from jaxhead._src.head import layout
+from jaxhead._src.head import layout, validation
 from jaxhead._src.head import math as hm
 from jaxhead._src.head import scan as sc
 from jaxhead._src.head.layout import WeightLayout

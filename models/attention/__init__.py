@@ -9,9 +9,9 @@
   pallas_tpu.py   ``"splash"``: ``splash_attention``
   pallas_gpu.py   ``"pallas_gpu"``: ``pallas_gpu_attention``
 
-The layer is imported from ``models.attention.layer``, not re-exported here: it imports
-``models.config``, which imports ``api``'s registry, so importing this package must not
-import the layer (a circular import).
+The layer is imported from ``models.attention.layer`` (it needs ``models.config``); this
+package's API is the op, which needs no config: ``models.transformer.check_ops`` checks a
+config's ``attention_impl`` against ``REGISTRY`` where the model is built.
 """
 
 from models.attention.api import IMPLEMENTATIONS, REGISTRY, cache_attention, self_attention

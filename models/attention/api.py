@@ -15,6 +15,10 @@ Implementations (``REGISTRY``, in ``"auto"``'s order):
 * ``"dense"``: the materialised ``[B, T, S]`` mask and scores
   (``reference.py``, ``dense_attention``): the test reference.
 
+Each is a ``jaxhead.dispatch.Entry`` called as ``call(plan, q, k, v, positions,
+segment_ids, scale)``; a kernel's check refuses a context axis and checks the packing,
+its probe traces and lowers it (``_lowering_error``).
+
 ``"auto"`` (``jaxhead.dispatch.Registry.resolve``) picks by the platform the trace
 compiles for (``jaxhead.dispatch.target_platform``: the devices of the mesh in context,
 ``jax.set_mesh``, else ``jax.default_backend()``; so a CPU machine compiling for a TPU
@@ -22,7 +26,8 @@ topology picks what a TPU would): ``splash`` on TPU, ``pallas_gpu`` on GPU, ``xl
 elsewhere. It falls back to ``xla_chunked`` when the kernel cannot run the call (a length
 that is not a multiple of its block, rows or heads that do not split over the mesh) or its
 forward and backward do not lower for the platform (``jaxhead.dispatch.lowering_error``),
-logging a warning on logger ``"jaxhead"``. An explicit kernel raises
+logging a warning on logger ``"jaxhead"`` (under ``jaxhead.dispatch.strict``: an error).
+Any other error of a kernel raises. An explicit kernel raises
 ``jaxhead.KernelUnsupported`` instead; off its platform it runs in Pallas interpret mode
 (slow: for tests).
 
@@ -40,6 +45,7 @@ communication.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -59,13 +65,72 @@ from models.attention.xla import chunked_attention
 from models.context import context_size
 from models.mesh import BATCH_AXES
 
-#: ``ModelConfig.attention_impl`` values, in ``"auto"``'s order; a kernel's value is
-#: ``(function, platform)``, the XLA paths' None.
-REGISTRY: dispatch.Registry[tuple[Callable, str] | None] = dispatch.Registry("attention_impl", [
-    dispatch.Entry("splash", (splash_attention, "tpu"), platforms=("tpu",)),
-    dispatch.Entry("pallas_gpu", (pallas_gpu_attention, "gpu"), platforms=("gpu",)),
-    dispatch.Entry("xla_chunked", None),
-    dispatch.Entry("dense", None, auto=False),
+
+@dataclasses.dataclass(frozen=True)
+class Query:
+    """What a check and a probe see of a ``self_attention`` call: the shapes and dtypes
+    (``(shape, dtype)`` of ``q``, ``k``, ``v``, ``segment_ids``), the concrete positions
+    and segment ids when they are (the kernels' packing precondition), the scale and the
+    abstract mesh in context."""
+
+    shapes: tuple
+    positions: jax.Array
+    segment_ids: jax.Array
+    scale: float
+    mesh: jax.sharding.AbstractMesh
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """A kernel entry's plan: the kernel function, run in Pallas interpret mode or not."""
+
+    kernel: Callable
+    interpret: bool
+
+
+def _kernel_entry(name: str, kernel: Callable, platform: str) -> dispatch.Entry:
+    """A fused kernel (masking causally by index) that compiles for ``platform`` and runs
+    in interpret mode elsewhere (an explicit name off its platform: tests)."""
+    def check(query: Query) -> KernelPlan:
+        context = context_size(query.mesh)
+        if context > 1:
+            raise KernelUnsupported(
+                f"{name} masks causally by token index; under context parallelism "
+                f"(context={context}) a row's tokens are reordered for load balance")
+        check_packing(query.positions, query.segment_ids)
+        return KernelPlan(kernel, dispatch.target_platform() != platform)
+
+    def probe(plan: KernelPlan, query: Query) -> str | None:
+        return _lowering_error(kernel, query.scale, plan.interpret, platform, query.shapes,
+                               query.mesh)
+
+    return dispatch.Entry(name, _run_kernel, (platform,), check=check, probe=probe)
+
+
+def _run_kernel(plan: KernelPlan, q, k, v, positions, segment_ids, scale):
+    return _per_device(plan.kernel, q, k, v, segment_ids, scale=scale,
+                       interpret=plan.interpret)
+
+
+def _xla_chunked(plan, q, k, v, positions, segment_ids, scale):
+    if context_size(jax.sharding.get_abstract_mesh()) > 1:
+        return context_attention(q, k, v, positions, segment_ids, scale=scale)
+    return chunked_attention(q, k, v, positions, segment_ids, positions, segment_ids,
+                             scale=scale)
+
+
+def _dense(plan, q, k, v, positions, segment_ids, scale):
+    return dense_attention(q, k, v, positions, segment_ids, positions, segment_ids,
+                           scale=scale)
+
+
+#: ``ModelConfig.attention_impl`` values, in ``"auto"``'s order; each called as
+#: ``call(plan, q, k, v, positions, segment_ids, scale)``.
+REGISTRY: dispatch.Registry[Callable] = dispatch.Registry("attention_impl", [
+    _kernel_entry("splash", splash_attention, "tpu"),
+    _kernel_entry("pallas_gpu", pallas_gpu_attention, "gpu"),
+    dispatch.Entry("xla_chunked", _xla_chunked),
+    dispatch.Entry("dense", _dense, auto=False),
 ])
 IMPLEMENTATIONS = REGISTRY.names
 
@@ -82,7 +147,8 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
         need positions increasing with the index within each segment
         (``models.attention.base.check_packing``, checked when concrete).
       scale: logit scale (``D ** -0.5``).
-      impl: ``"auto"`` or one of ``IMPLEMENTATIONS``.
+      impl: ``"auto"`` or one of ``IMPLEMENTATIONS`` (``jaxhead.dispatch.Registry.
+        resolve``; under ``jaxhead.dispatch.strict`` a fallback raises).
 
     Returns:
       ``[B, T, N, D]`` in the dtype of ``v``. Padding rows hold finite values that differ
@@ -92,39 +158,9 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
       ValueError: unknown ``impl``; positions that break the kernels' precondition.
       KernelUnsupported: an explicitly requested kernel cannot run these shapes.
     """
-    REGISTRY.check_name(impl)
-    if impl == "dense":
-        return dense_attention(q, k, v, positions, segment_ids, positions, segment_ids,
-                               scale=scale)
-
-    context = context_size(jax.sharding.get_abstract_mesh())
-
-    def check(name: str):
-        if REGISTRY[name] is None:
-            return None
-        if context > 1:
-            raise KernelUnsupported(
-                f"{name} masks causally by token index; under context parallelism "
-                f"(context={context}) a row's tokens are reordered for load balance")
-        kernel, platform = REGISTRY[name]
-        check_packing(positions, segment_ids)
-        interpret = dispatch.target_platform() != platform
-        run = functools.partial(_per_device, kernel, scale=scale, interpret=interpret)
-        if impl == "auto":
-            shapes = tuple((x.shape, jnp.dtype(x.dtype)) for x in (q, k, v, segment_ids))
-            reason = _lowering_error(kernel, scale, interpret, platform, shapes,
-                                     jax.sharding.get_abstract_mesh())
-            if reason is not None:
-                return dispatch.Unlowered(reason)
-        return run(q, k, v, segment_ids)
-
-    out = REGISTRY.resolve(impl, check)[1]
-    if out is not None:
-        return out
-    if context > 1:
-        return context_attention(q, k, v, positions, segment_ids, scale=scale)
-    return chunked_attention(q, k, v, positions, segment_ids, positions, segment_ids,
-                             scale=scale)
+    shapes = tuple((x.shape, jnp.dtype(x.dtype)) for x in (q, k, v, segment_ids))
+    query = Query(shapes, positions, segment_ids, scale, jax.sharding.get_abstract_mesh())
+    return REGISTRY.resolve(impl, query)(q, k, v, positions, segment_ids, scale)
 
 
 @functools.lru_cache(maxsize=128)
@@ -138,7 +174,7 @@ def _lowering_error(kernel, scale: float, interpret: bool, platform: str, shapes
 
     Raises:
       KernelUnsupported: the kernel refuses the shapes (while tracing, before lowering;
-        not cached).
+        not cached). Any other error tracing it propagates too.
     """
     run = functools.partial(_per_device, kernel, scale=scale, interpret=interpret)
 
@@ -147,7 +183,6 @@ def _lowering_error(kernel, scale: float, interpret: bool, platform: str, shapes
 
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
     with jax.sharding.use_abstract_mesh(mesh):
-        jax.eval_shape(run, *args)
         return dispatch.lowering_error(jax.grad(loss, (0, 1, 2)), *args, platform=platform)
 
 

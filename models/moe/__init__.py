@@ -11,9 +11,10 @@
   dense.py        ``"dense"``: worst-case blocks and ``all_to_all``
   ragged.py       ``"ragged"``: ``ragged_all_to_all`` (emulated on CPU), the capacity rule
 
-The layer is imported from ``models.moe.layer``, not re-exported here: it imports
-``models.config``, which imports ``api``'s registry and checks, so importing this package
-must not import the layer (a circular import).
+The layer is imported from ``models.moe.layer`` (it needs ``models.config``); this
+package's API is the op, which needs no config: ``models.transformer.check_ops`` checks a
+config's MoE dispatch settings against ``REGISTRY`` and ``api``'s checks where the model
+is built.
 """
 
 from models.moe.api import OVERFLOWS, REGISTRY, routed_experts

@@ -43,19 +43,38 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxhead.dispatch import Entry, Registry, target_platform
+from jaxhead.dispatch import Choice, Entry, Registry, target_platform
 from models.mesh import BATCH_AXES, axis_size, check_divisible, present
 from models.moe.dense import dense_round
 from models.moe.experts import token_chunks
 from models.moe.ragged import NATIVE, ragged_round, receive_rows
 from models.sharding import DEFAULT_RULES, logical_to_mesh
 
+
+def _ragged_plan(platform: str, capacity_factor: float | None, overflow: str) -> dict:
+    """The ragged entry's check: ``ragged_round``'s settings for the call (native
+    ``ragged_all_to_all`` where ``platform`` has it, else the emulation)."""
+    return {"capacity_factor": capacity_factor, "overflow": overflow,
+            "native": platform in NATIVE}
+
+
+def _ragged(plan: dict, *args, **kwargs):
+    return ragged_round(*args, **kwargs, **plan)
+
+
+def _dense(plan, *args, **kwargs):
+    return dense_round(*args, **kwargs)
+
+
 #: ``ModelConfig.expert_dispatch`` values, in ``"auto"``'s order: ragged where the platform
 #: has ``ragged_all_to_all`` (TPU, GPU; ``jaxhead.dispatch.target_platform`` of the mesh),
 #: else dense (an explicit ``"ragged"`` runs ``ragged.emulated_ragged_all_to_all`` there).
-REGISTRY: Registry[None] = Registry("expert_dispatch", [
-    Entry("ragged", None, platforms=NATIVE),
-    Entry("dense", None),
+#: Each checked with ``(platform, capacity_factor, overflow)`` and called as one
+#: all-to-all round: ``call(plan, x, experts, weights, token_mask, gate, up, down, *,
+#: expert_axis, num, partial) -> (y, dropped)``.
+REGISTRY: Registry = Registry("expert_dispatch", [
+    Entry("ragged", _ragged, platforms=NATIVE, check=_ragged_plan),
+    Entry("dense", _dense),
 ])
 #: ``ModelConfig.expert_capacity_overflow`` values: what a real pair past the capacity
 #: gets (``models.moe.ragged``'s docstring).
@@ -130,25 +149,22 @@ def tokens_per_dispatch(tokens: int, devices: int, top_k: int, local_experts: in
 
 
 def _shard_body(x, experts, weights, token_mask, gate, up, down, *, expert_axis, num,
-                gather_axes, sum_axes, max_rows, token_chunk, ragged, native, capacity_factor,
-                overflow):
+                gather_axes, sum_axes, max_rows, token_chunk, rounds: Choice):
     """Per-device expert-parallel MoE: the token rounds (``models.moe.experts.token_chunks``)
-    of ``models.moe.dense.dense_round``, or of ``models.moe.ragged.ragged_round`` when
-    ``ragged``; ``(y, dropped)``. A round has at most ``token_chunk`` tokens (None: all of
-    them), and as many fewer as keep its receive buffer within ``max_rows``."""
+    of the dispatch path ``rounds`` (a ``REGISTRY`` choice); ``(y, dropped)``. A round has
+    at most ``token_chunk`` tokens (None: all of them), and as many fewer as keep its
+    receive buffer within ``max_rows``."""
     if gather_axes:  # this device's experts only, whole on their hidden dimension
         gate, up = (jax.lax.all_gather(w, gather_axes, axis=1, tiled=True) for w in (gate, up))
         down = jax.lax.all_gather(down, gather_axes, axis=2, tiled=True)
     tokens, top_k = experts.shape
-    factor = capacity_factor if ragged else None
+    factor = (rounds.plan or {}).get("capacity_factor")
     chunk = tokens if token_chunk is None else min(token_chunk, tokens)
     step = tokens_per_dispatch(chunk, num, top_k, gate.shape[0], max_rows, factor)
     kw = {"expert_axis": expert_axis, "num": num, "partial": bool(sum_axes)}
-    if ragged:
-        kw.update(capacity_factor=capacity_factor, overflow=overflow, native=native)
 
     def one(*args):
-        return (ragged_round if ragged else dense_round)(*args, gate, up, down, **kw)
+        return rounds(*args, gate, up, down, **kw)
 
     y, dropped = token_chunks(one, step, x, experts, weights, token_mask)
     if sum_axes:
@@ -213,11 +229,12 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
         its mesh axes (both numbers named); an unknown ``dispatch`` or ``overflow``, or a
         ``capacity_factor`` <= 0 or a ``token_chunk`` that is no int > 0 (named).
     """
-    platform = target_platform(mesh)
-    ragged = REGISTRY.resolve(dispatch, platform=platform)[0] == "ragged"
     check_capacity_factor(capacity_factor)
     check_overflow(overflow)
     check_token_chunk(token_chunk)
+    platform = target_platform(mesh)
+    rounds = REGISTRY.resolve(dispatch, platform, capacity_factor, overflow,
+                              platform=platform)
     token_axes = present(mesh, BATCH_AXES) if token_axes is None else tuple(token_axes)
     check_divisible(x.shape[0], mesh, token_axes, "MoE input (batch x sequence)")
     gate_spec = _nontrivial(logical_to_mesh(
@@ -232,9 +249,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
         return _shard_body(
             *args, expert_axis=expert_axes, num=axis_size(mesh, expert_axes),
             gather_axes=_axes(gate_spec[1]), sum_axes=_axes(gate_spec[2]),
-            max_rows=max_rows, token_chunk=token_chunk, ragged=ragged,
-            native=platform in NATIVE, capacity_factor=capacity_factor,
-            overflow=overflow,
+            max_rows=max_rows, token_chunk=token_chunk, rounds=rounds,
         )
 
     tok = P(token_axes or None)

@@ -61,6 +61,15 @@ def inputs(case: Case):
     return h, w, labels, temperature, g, e
 
 
+def swap_head(monkeypatch, name: str, **changes) -> None:
+    """Make ``impl=name`` run its implementation with ``changes`` (``make_plan``, ``head``:
+    ``base.Implementation`` fields), in the same registry entry (platforms, probe)."""
+    entry = api.REGISTRY[name]
+    head = dataclasses.replace(entry.call, **changes)
+    monkeypatch.setattr(api, "REGISTRY", api.REGISTRY.replace(api.head_entry(
+        name, head, entry.platforms, kernel=entry.probe is not None, auto=entry.auto)))
+
+
 def head_fn(impl: str, case: Case, config=None, hidden: int = HIDDEN, mode="interpret",
             truncated: bool = False):
     """``head(h, w, labels, temperature, min_logit=None) -> (logp, entropy)`` of implementation

@@ -9,14 +9,32 @@ import logging
 import jax
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from jaxhead import dispatch
-from jaxhead.dispatch import Entry, KernelUnsupported, Registry, Unlowered
+from jaxhead.dispatch import Entry, KernelUnsupported, Registry
 
 
-def _registry() -> Registry:
-    return Registry("op_impl", [Entry("fast", "f", platforms=("tpu",)), Entry("lowers", "l"),
-                                Entry("portable", "p"), Entry("ref", "r", auto=False)])
+def _check(name):
+    """A check: "fast" refuses, "boom" fails (a bug), the others plan their name."""
+    def check(query):
+        if name == "fast":
+            raise KernelUnsupported("block of 100 is not a multiple of 128")
+        if name == "boom":
+            raise RuntimeError("a bug in the kernel")
+        return f"{name}-plan-{query}"
+    return check
+
+
+def _registry(*first) -> Registry:
+    """fast (tpu) -> lowers (probed: refuses) -> portable -> ref (not auto)."""
+    def entry(name, **kw):
+        return Entry(name, lambda plan, x: (plan, x), check=_check(name), **kw)
+
+    return Registry("op_impl", [*(entry(n, platforms=("tpu",)) for n in first),
+                                entry("fast", platforms=("tpu",)),
+                                entry("lowers", probe=lambda plan, q: "MosaicError: bad layout"),
+                                entry("portable"), entry("ref", auto=False)])
 
 
 def test_platform_follows_the_mesh_in_context(monkeypatch):
@@ -31,47 +49,73 @@ def test_platform_follows_the_mesh_in_context(monkeypatch):
 
 
 def test_auto_falls_back_with_a_logged_reason(caplog):
-    def check(name):
-        if name == "fast":
-            raise KernelUnsupported("block of 100 is not a multiple of 128")
-        if name == "lowers":
-            return Unlowered("MosaicError: bad layout")
-        return name.upper()
-
     with caplog.at_level(logging.WARNING, logger="jaxhead"):
-        assert _registry().resolve("auto", check, platform="tpu") == ("portable", "PORTABLE")
+        choice = _registry().resolve("auto", 7, platform="tpu")
+    assert (choice.name, choice.plan, choice(1)) == ("portable", "portable-plan-7",
+                                                     ("portable-plan-7", 1))
     assert "fast cannot run this call (block of 100 is not a multiple of 128); using " \
            "'portable'" in caplog.text
     assert "lowers cannot run this call (its kernels do not lower for this platform " \
            "(MosaicError: bad layout))" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="jaxhead"):  # off TPU "fast" is not tried
-        assert _registry().resolve("auto", platform="cpu") == ("lowers", None)
-    assert caplog.text == ""
+        assert _registry().resolve("auto", 7, platform="cpu").name == "portable"
+    assert "fast" not in caplog.text
+    # an explicit name is checked, not probed
+    assert _registry().resolve("lowers", 7).plan == "lowers-plan-7"
+    # first: tried before the platform's order
+    assert _registry().resolve("auto", 7, platform="cpu", first="ref").name == "ref"
+
+
+def test_strict_mode_makes_a_fallback_an_error(caplog):
+    with dispatch.strict():
+        assert dispatch.is_strict()
+        with pytest.raises(KernelUnsupported, match="strict: fast cannot run this call on "
+                                                    "'tpu' .block of 100"):
+            _registry().resolve("auto", 7, platform="tpu")
+        with dispatch.strict(False):
+            assert _registry().resolve("auto", 7, platform="tpu").name == "portable"
+        assert _registry().resolve("portable", 7).name == "portable"  # no fallback: fine
+    assert not dispatch.is_strict()
+
+
+def test_a_failing_check_raises_instead_of_falling_back():
+    with pytest.raises(RuntimeError, match="a bug in the kernel"):
+        _registry("boom").resolve("auto", 7, platform="tpu")
+    with pytest.raises(ValueError, match="repeat"):
+        Registry("op_impl", [Entry("a", None), Entry("a", None)])
 
 
 def test_explicit_names_raise_and_unknown_names_list_the_choices():
-    def refuse(name):
-        raise KernelUnsupported(f"{name} refuses")
-
-    with pytest.raises(KernelUnsupported, match="ref refuses"):
-        _registry().resolve("ref", refuse)
-    with pytest.raises(KernelUnsupported, match="no implementation.*fast: fast refuses"):
-        _registry().resolve("auto", refuse, platform="tpu")
+    with pytest.raises(KernelUnsupported, match="not a multiple of 128"):
+        _registry().resolve("fast", 7)
+    refusing = Registry("op_impl", [Entry("fast", None, check=_check("fast"))])
+    with pytest.raises(KernelUnsupported, match="no implementation.*fast: block of 100"):
+        refusing.resolve("auto", 7, platform="cpu")
     with pytest.raises(ValueError, match=r"op_impl must be 'auto' or one of \('fast', "
                                          r"'lowers', 'portable', 'ref'\), got 'slow'"):
         _registry().resolve("slow")
+    swapped = _registry().replace(Entry("fast", None, platforms=("tpu",)))
+    assert swapped.names == _registry().names and swapped.resolve("auto", platform="tpu") \
+        .name == "fast"
 
 
-def test_lowering_error_names_the_failure():
-    assert dispatch.lowering_error(lambda x: x + 1, jax.ShapeDtypeStruct((3,), np.float32)) \
-        is None
+def test_lowering_error_names_the_compilers_refusal_and_raises_the_rest():
+    x = jax.ShapeDtypeStruct((8, 128), np.float32)
+    assert dispatch.lowering_error(lambda x: x + 1, x) is None
 
-    def broken(x):
+    def add_one(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1
+
+    kernel = pl.pallas_call(add_one, out_shape=x)  # compiled: XLA:CPU refuses to lower it
+    assert dispatch.lowering_error(kernel, x, platform="cpu") == \
+        "ValueError: Only interpret mode is supported on CPU backend."
+
+    def broken(x):  # fails while tracing: a bug (or the kernel's own refusal), raised
         raise NotImplementedError("no rule for this op")
 
-    got = dispatch.lowering_error(broken, jax.ShapeDtypeStruct((3,), np.float32))
-    assert got == "NotImplementedError: no rule for this op"
+    with pytest.raises(NotImplementedError, match="no rule"):
+        dispatch.lowering_error(broken, x)
 
 
 def test_attention_auto_falls_back_when_the_kernel_does_not_lower(monkeypatch, caplog):

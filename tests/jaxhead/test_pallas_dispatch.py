@@ -3,8 +3,8 @@ backend, logged fallback to XLA, explicit kernels that cannot run, the interpret
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+from typing import get_args
 
 import chex
 import jax
@@ -13,7 +13,7 @@ import pytest
 
 import jaxhead
 from jaxhead._src.head import api, pallas_mode
-from tests.jaxhead.pallas_cases import HIDDEN, assert_matches, batch
+from tests.jaxhead.pallas_cases import HIDDEN, assert_matches, batch, swap_head
 
 
 @pytest.mark.parametrize(
@@ -23,6 +23,7 @@ from tests.jaxhead.pallas_cases import HIDDEN, assert_matches, batch
 def test_auto_picks_by_backend(monkeypatch, backend, want):
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     assert api.resolve_impl("auto") == want
+    assert get_args(jaxhead.Impl) == api.REGISTRY.names == tuple(jaxhead.IMPLEMENTATIONS)
     for name in jaxhead.IMPLEMENTATIONS:
         assert api.resolve_impl(name) == name
     with pytest.raises(ValueError, match="pallas_triton"):
@@ -71,13 +72,30 @@ def test_auto_on_gpu_runs_the_triton_kernel(monkeypatch):
         calls.append(args[0])
         return real(*args)
 
-    monkeypatch.setitem(api.IMPLEMENTATIONS, "pallas_triton",
-                        dataclasses.replace(real, head=spy))
+    swap_head(monkeypatch, "pallas_triton", head=spy)
     data = batch(jnp.float32, seed=11)
     with pallas_mode.interpret():
         got = _forward("auto", data)
     assert len(calls) == 1 and calls[0].blocks.block_tokens == 64  # the default tile
     assert_matches(got, _forward("xla", data), jnp.float32)
+
+
+def test_auto_probes_for_the_platform_compiled_for():
+    """Under ``compile_for("gpu")`` on a CPU machine ``"auto"`` plans the Triton kernels
+    and probes their lowering for CUDA (not for the CPU backend, which refuses every
+    compiled Pallas kernel): no fallback, even in strict mode."""
+    h = jax.ShapeDtypeStruct((64, HIDDEN), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((HIDDEN, 256), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((64,), jnp.int32)
+
+    def loss(h, w, y):
+        out = jaxhead.token_logprobs(h, w, y)
+        return jnp.sum(out.logprobs) + jnp.sum(out.entropy)
+
+    with jaxhead.dispatch.compile_for("gpu"), jaxhead.dispatch.strict():
+        lowered = jax.jit(jax.grad(loss, (0, 1))).trace(h, w, y).lower(
+            lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2  # forward, backward du
 
 
 @pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_triton"])

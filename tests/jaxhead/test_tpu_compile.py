@@ -35,7 +35,8 @@ import jax.numpy as jnp
 
 import jaxhead
 from harness import tpu_compile as tc
-from jaxhead._src.head import api, pallas_mode, pallas_tpu
+from jaxhead._src.head import pallas_mode, pallas_tpu
+from tests.jaxhead.pallas_cases import swap_head
 
 FULL = os.environ.get("JAXHEAD_TPU_COMPILE", "") == "full"
 MIB = tc.MIB
@@ -115,21 +116,30 @@ def test_auto_picks_the_kernel_for_a_tpu_mesh(caplog):
 
 
 def _patch_plan(monkeypatch, make_plan):
-    real = api.IMPLEMENTATIONS["pallas_tpu"]
-    monkeypatch.setitem(api.IMPLEMENTATIONS, "pallas_tpu",
-                        dataclasses.replace(real, make_plan=make_plan))
+    swap_head(monkeypatch, "pallas_tpu", make_plan=make_plan)
 
 
-def test_auto_falls_back_on_any_planning_error(monkeypatch, caplog):
+def test_a_kernel_that_fails_to_plan_raises_under_auto(monkeypatch, caplog):
+    """Only ``KernelUnsupported`` (and a refused lowering) is a reason to fall back: any
+    other error planning the kernel is a failure to see, not to hide behind XLA."""
     def broken(config, spec):
         raise RuntimeError("no TPU info for this chip")
 
     _patch_plan(monkeypatch, broken)
+    for impl in ("auto", "pallas_tpu"):
+        with pytest.raises(RuntimeError, match="no TPU info"):
+            _lowered_kernels("v6e", impl=impl)
+
+    def refuses(config, spec):
+        raise jaxhead.KernelUnsupported("no tile fits")
+
+    _patch_plan(monkeypatch, refuses)
     with caplog.at_level(logging.WARNING, logger="jaxhead"):
         assert _lowered_kernels("v6e") == 0
-    assert "RuntimeError: no TPU info" in caplog.text and "using 'xla'" in caplog.text
-    with pytest.raises(RuntimeError, match="no TPU info"):
-        _lowered_kernels("v6e", impl="pallas_tpu")  # an explicit impl still raises
+    assert "pallas_tpu cannot run this call (no tile fits); using 'xla'" in caplog.text
+    with jaxhead.dispatch.strict(), pytest.raises(jaxhead.KernelUnsupported,
+                                                  match="strict.*no tile fits"):
+        _lowered_kernels("v6e")
 
 
 def test_auto_falls_back_when_the_kernel_does_not_lower(monkeypatch, caplog):

@@ -15,6 +15,7 @@ import pytest
 from jaxhead.dispatch import KernelUnsupported
 from models import context
 from models.attention.api import self_attention
+from models.transformer import from_head_rows, head_bucket, head_rows
 from tests.support.multidevice import abstract_mesh, run_case
 
 #: Relative error bound, float32 (measured: loss 7.6e-8, log-probs 1.2e-7, gradients
@@ -41,6 +42,23 @@ def test_layouts_round_trip():
         # row c * B + b holds row b's c-th shard of tokens
         np.testing.assert_array_equal(major[(c - 1) * 3 + 2], x[2, (c - 1) * 16 // c:])
         np.testing.assert_array_equal(context.from_token_major(major, c), x)
+
+
+def test_the_heads_bucket_reads_the_rows_as_the_head_gets_them():
+    """``head_bucket`` (what the trainer's bucket asks for) counts each token shard's kept
+    tokens in the load-balanced, token-major rows of ``head_rows``: a keep mask on the
+    first and last chunk of each row puts every kept token on context device 0, which a
+    contiguous split of the row would miss (2 per shard, not 4: the head would then
+    overflow into NaN)."""
+    mesh = abstract_mesh(context=2, data=2)
+    keep = np.zeros((2, 8), bool)
+    keep[:, [0, 1, 6, 7]] = True  # chunks 0 and 3 of 4: both on device 0
+    rows = np.asarray(head_rows(keep, mesh))
+    assert rows.shape == (4, 4) and rows.sum(axis=1).tolist() == [4, 4, 0, 0]
+    assert head_bucket(keep, mesh, multiple=1) == 4 > keep.reshape(4, 4).sum(axis=1).max()
+    x = np.arange(16).reshape(2, 8)
+    np.testing.assert_array_equal(from_head_rows(head_rows(x, mesh), mesh), x)
+    assert head_bucket(keep, abstract_mesh(data=2), multiple=1) == 4  # rows only
 
 
 def test_kernels_masking_by_index_are_refused_under_context():

@@ -88,7 +88,7 @@ def test_decoder_layer_compiles_with_the_kernel(kv_heads, sizes, caplog):
 
     ids = jax.ShapeDtypeStruct((4, 2048), jnp.int32)
     x = jax.ShapeDtypeStruct((4, 2048, cfg.hidden_size), jnp.bfloat16)
-    with caplog.at_level(logging.WARNING, logger="models"), \
+    with caplog.at_level(logging.WARNING, logger="jaxhead"), \
             jax.set_mesh(_mesh("v6e", **sizes)):
         lowered = jax.jit(jax.grad(loss, (0, 1))).lower(state, x, ids, ids)
         temp = lowered.compile().memory_analysis().temp_size_in_bytes

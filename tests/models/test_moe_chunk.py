@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import get_config
+from models import check_ops, get_config
 from tests.models.moe_chunk_cases import layer_temp_bytes, one_device
 from tests.support.models import random_model
 from tests.support.multidevice import run_case
@@ -33,7 +33,7 @@ def test_moe_token_chunk_is_validated():
     assert get_config("tiny-moe", moe_token_chunk=64).moe_token_chunk == 64
     for bad in (0, -4, 1.5, True, "64"):
         with pytest.raises(ValueError, match=f"moe_token_chunk.*{bad!r}"):
-            get_config("tiny-moe", moe_token_chunk=bad)
+            check_ops(get_config("tiny-moe", moe_token_chunk=bad))
 
 
 @pytest.mark.parametrize("chunk", [32, 48])  # 128 tokens: 4 chunks; 3 with 16 padded

@@ -6,11 +6,13 @@ mode gives NaN rows; the ``"auto"`` choice and the config checks."""
 from __future__ import annotations
 
 import pytest
+from flax import nnx
 
 from jaxhead.dispatch import target_platform
 from models import get_config
 from models.moe.api import REGISTRY
 from models.moe.ragged import receive_rows
+from models.transformer import Transformer, check_ops
 from tests.support.multidevice import abstract_mesh, run_case
 
 TOL = 1e-4
@@ -32,15 +34,18 @@ def test_ragged_equals_dense_and_one_device():
 
 def test_auto_is_dense_on_cpu_and_names_bad_values():
     cpu = target_platform(abstract_mesh(expert=4))
-    assert REGISTRY.resolve("auto", platform=cpu)[0] == "dense"  # no ragged on CPU
-    assert REGISTRY.resolve("ragged", platform=cpu)[0] == "ragged"
+    query = (cpu, None, "drop")  # (platform, capacity_factor, overflow)
+    assert REGISTRY.resolve("auto", *query, platform=cpu).name == "dense"  # no ragged on CPU
+    ragged = REGISTRY.resolve("ragged", *query, platform=cpu)
+    assert ragged.name == "ragged" and ragged.plan["native"] is False  # the emulation
     with pytest.raises(ValueError, match="'sparse'"):
         REGISTRY.resolve("sparse")
+    sparse = get_config("tiny-moe", expert_dispatch="sparse")  # checked where it is built
     with pytest.raises(ValueError, match="'sparse'"):
-        get_config("tiny-moe", expert_dispatch="sparse")
+        nnx.eval_shape(lambda: Transformer(sparse, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="-1.0"):
-        get_config("tiny-moe", expert_capacity_factor=-1.0)
-    assert get_config("tiny-moe", expert_capacity_factor=1.5).expert_capacity_factor == 1.5
+        check_ops(get_config("tiny-moe", expert_capacity_factor=-1.0))
+    check_ops(get_config("tiny-moe", expert_capacity_factor=1.5))
 
 
 def test_receive_rows():

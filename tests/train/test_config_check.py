@@ -228,3 +228,11 @@ def test_a_closed_output_pipe_ends_quietly():
     err = proc.stderr.read()
     assert proc.wait(timeout=300) == 141, err[-2000:]
     assert "BrokenPipeError" not in err and "Traceback" not in err, err[-2000:]
+
+
+def test_an_unknown_op_name_is_named_before_any_work():
+    cfg = load_config(MICRO)
+    cfg.model.overrides = {**cfg.model.overrides.to_dict(), "attention_impl": "nope"}
+    problems = config.check(cfg)
+    assert len(problems) == 1 and problems[0].startswith("model.overrides = ")
+    assert "'nope'" in problems[0], problems

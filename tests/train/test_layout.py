@@ -1,13 +1,21 @@
 """The import graph of the three packages (read from the source with ``ast``, nothing is
 imported): no cycles, and the layers hold: ``jaxhead`` imports neither ``models`` nor
-``train``, ``models`` does not import ``train``. Beside them, ``tests`` and ``benchmarks``
-do not import each other and ``harness`` (what both use) imports neither. Imports inside
-functions count too. And dispatch has one home: no module but ``jaxhead/dispatch.py``
-defines a platform picker or ``KernelUnsupported``."""
+``train``, ``models`` does not import ``train``; inside every package no upward import
+(its sub-packages and modules, each taken whole, import each other without a cycle).
+Beside them, ``tests`` and ``benchmarks`` do not import each other and ``harness`` (what
+both use) imports neither. Imports inside functions count too. No module of the packages
+imports private ``jax._src`` but the one pinned module (``PINNED_PRIVATE``), whose
+private names the installed jax must have. And dispatch has one home: no module but
+``jaxhead/dispatch.py`` defines a platform picker or ``KernelUnsupported``, and every op
+with several implementations (``OP_REGISTRIES``) declares them as ``dispatch.Entry``s of
+one ``dispatch.Registry``. Every logger the code, the tests or the docs name exists."""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import re
+from pathlib import Path
 
 from tests.support import ROOT
 
@@ -109,6 +117,57 @@ def test_cycle_detection_works():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def unit_graphs(graph: dict[str, set[str]]) -> dict[str, dict[str, set[str]]]:
+    """Package -> the import graph of its units: each direct sub-package (all its modules
+    as one node) and each direct module; the package's ``__init__`` (its re-exports, on
+    top of everything) is left out."""
+    packages = {m for m in graph if any(k.startswith(m + ".") for k in graph)}
+    out = {}
+    for pkg in packages:
+        def unit(m, pkg=pkg):
+            return f"{pkg}.{m[len(pkg) + 1:].split('.')[0]}" if m.startswith(pkg + ".") \
+                else None
+
+        units: dict[str, set[str]] = {}
+        for m, targets in graph.items():
+            if (u := unit(m)) is not None:
+                units.setdefault(u, set()).update(
+                    v for t in targets if (v := unit(t)) not in (None, u))
+        for targets in list(units.values()):
+            for v in targets:
+                units.setdefault(v, set())
+        out[pkg] = units
+    return out
+
+
+def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[list[str]]]:
+    """Package -> the cycles among its units (``unit_graphs``): where a unit imports one
+    that imports it back, one of the two arrows points up. Empty when every package is
+    layered."""
+    return {pkg: found for pkg, units in sorted(unit_graphs(graph).items())
+            if (found := cycles(units))}
+
+
+def test_no_upward_import_inside_any_package():
+    graph = import_graph()
+    assert {"models", "models.attention", "jaxhead._src", "train"} <= set(unit_graphs(graph))
+    assert upward_imports(graph) == {}
+
+
+def test_upward_imports_are_found():
+    # models.config importing the attention registry while the attention layer imports
+    # the config: no module cycle, but the package models.attention and models.config
+    # import each other
+    graph = {"models": set(), "models.config": {"models.attention.api"},
+             "models.attention": set(), "models.attention.api": {"models.mesh"},
+             "models.attention.layer": {"models.config", "models.attention.api"},
+             "models.mesh": set()}
+    assert cycles(graph) == []
+    assert upward_imports(graph) == {"models": [["models.attention", "models.config"]]}
+    graph["models.config"] = set()
+    assert upward_imports(graph) == {}
+
+
 def test_layers_hold():
     graph = import_graph()
     bad = [(m, r) for m, rs in graph.items() for r in rs
@@ -201,3 +260,105 @@ def test_the_dispatch_rule_fails_on_a_broken_copy(tmp_path):
         "class Ops:\n    def target_platform(self):\n        return 'tpu'\n")
     assert stray_dispatch(tmp_path) == {
         "models/stray.py": ["KernelUnsupported", "target_platform"]}
+
+
+#: The one module of the packages that imports ``jax._src`` (the probe's ``_one_device``).
+PINNED_PRIVATE = "jaxhead/_src/head/probe.py"
+
+
+def private_jax_imports(root) -> dict[str, list[str]]:
+    """``path -> the jax._src modules it imports`` for every module of the packages under
+    ``root`` that imports any (``import jax._src...``, ``from jax._src... import``,
+    ``from jax import _src``), at any depth."""
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            found = [t for t in _import_targets(path.read_text(), "")
+                     if t == "jax._src" or t.startswith("jax._src.")]
+            if found:
+                out[path.relative_to(root).as_posix()] = sorted(set(found))
+    return out
+
+
+def test_private_jax_is_imported_in_one_pinned_module():
+    from jaxhead._src.head import probe
+
+    found = private_jax_imports(ROOT)
+    assert list(found) == [PINNED_PRIVATE], found
+    # the names it uses are the ones it declares, and this jax has them
+    modules = {m for m, _ in probe.PRIVATE_JAX}
+    assert {m for m in found[PINNED_PRIVATE] if m in modules} == modules
+    for module, name in probe.PRIVATE_JAX:
+        assert getattr(importlib.import_module(module), name, None) is not None, (module, name)
+
+
+def test_a_private_jax_import_is_found(tmp_path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "stray.py").write_text(
+        "import jax\n\n\ndef f():\n    from jax._src import core\n    return core\n")
+    assert private_jax_imports(tmp_path) == {"models/stray.py": ["jax._src", "jax._src.core"]}
+
+
+#: Every op with several implementations: module -> its registry's ``op`` (the name of
+#: the parameter or config field that picks one).
+OP_REGISTRIES = {"jaxhead._src.head.api": "impl", "models.attention.api": "attention_impl",
+                 "models.moe.api": "expert_dispatch"}
+
+
+def registry_modules(root) -> list[str]:
+    """The modules of the packages under ``root`` that build a ``Registry(...)``."""
+    out = []
+    for pkg in PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            if any(isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(
+                    n.func, "id", None)) == "Registry" for n in ast.walk(tree)):
+                out.append(".".join(path.relative_to(root).with_suffix("").parts))
+    return sorted(m for m in out if m != "jaxhead.dispatch")
+
+
+def test_every_op_declares_its_implementations_in_one_shape():
+    from jaxhead import dispatch
+
+    assert registry_modules(ROOT) == sorted(OP_REGISTRIES)
+    for module, op in OP_REGISTRIES.items():
+        registry = importlib.import_module(module).REGISTRY
+        assert type(registry) is dispatch.Registry and registry.op == op, module
+        entries = list(registry.entries.values())
+        for e in entries:
+            assert type(e) is dispatch.Entry and callable(e.call), (module, e.name)
+            assert e.check is None or callable(e.check), (module, e.name)
+            assert e.probe is None or callable(e.probe), (module, e.name)
+            assert e.platforms is None or set(e.platforms) <= {"cpu", "gpu", "tpu"}
+        # "auto" has a last resort on every platform, and its kernels say where they run
+        auto = [e for e in entries if e.auto]
+        assert auto[-1].platforms is None, module
+        assert all(e.platforms is not None for e in entries if e.probe is not None), module
+
+
+#: A logger named in the code, the tests or the docs: ``logger="x"``, logger ``"x"``,
+#: logger `x`.
+LOGGER_MENTION = re.compile(r'logger(?:=| ``| `)"?([A-Za-z_][\w.]*)')
+
+
+def unknown_loggers(root) -> list[tuple[str, str]]:
+    """``(path, name)`` of each logger mentioned under ``root`` (sources, tests, docs) that
+    no module of the packages creates (``logging.getLogger("name")``)."""
+    files = [p for pkg in (*PACKAGES, "tests", "harness", "benchmarks", "docs")
+             for p in (root / pkg).rglob("*") if p.suffix in (".py", ".md")]
+    files += [root / "README.md"] if (root / "README.md").exists() else []
+    created = {m for pkg in PACKAGES for p in (root / pkg).rglob("*.py")
+               for m in re.findall(r'getLogger\("([\w.]+)"\)', p.read_text())}
+    return sorted({(p.relative_to(root).as_posix(), name) for p in files
+                   for name in LOGGER_MENTION.findall(p.read_text()) if name not in created})
+
+
+def test_every_logger_named_exists(tmp_path):
+    this = Path(__file__).relative_to(ROOT).as_posix()  # its examples name others
+    assert [(p, n) for p, n in unknown_loggers(ROOT) if p != this] == []
+    (tmp_path / "jaxhead").mkdir()
+    (tmp_path / "jaxhead" / "d.py").write_text('logger = logging.getLogger("jaxhead")\n')
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "config.py").write_text(
+        '"""falls back with a warning on logger ``"models"``."""\n')
+    assert unknown_loggers(tmp_path) == [("models/config.py", "models")]

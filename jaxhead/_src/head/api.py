@@ -7,37 +7,85 @@ mask into those rows and back.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
-from typing import Literal, get_args
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxhead import dispatch
-from jaxhead._src import compaction, validation
+from jaxhead._src import compaction
 from jaxhead._src.buckets import bucket_size
-from jaxhead._src.head import invalid
-from jaxhead._src.head import layout, pallas_tpu, pallas_triton, probe, reference, xla, xla_cpu
+from jaxhead._src.head import (
+    invalid,
+    layout,
+    pallas_tpu,
+    pallas_triton,
+    probe,
+    reference,
+    validation,
+    xla,
+    xla_cpu,
+)
 from jaxhead._src.head.base import HeadImplementation, HeadSpec
 from jaxhead._src.head.layout import WeightLayout
 from jaxhead._src.types import HeadOutput
-from jaxhead.dispatch import KernelUnsupported
 
 #: Names of the implementations (``impl=``); ``"auto"`` picks one by platform.
-Impl = Literal["xla", "xla_cpu", "pallas_tpu", "pallas_triton", "reference"]
+Impl = Literal["pallas_tpu", "pallas_triton", "xla_cpu", "xla", "reference"]
+
+
+def _plan(head: HeadImplementation, config, spec: HeadSpec):
+    """An entry's check: ``(plan, padded rows)`` of ``head`` for ``spec``, with ``config``
+    if it is ``head``'s (another implementation's config: the defaults)."""
+    return head.plan(config if type(config) is head.config_type else None, spec)
+
+
+def head_entry(name: str, head: HeadImplementation, platforms=None, *, kernel: bool = False,
+               auto: bool = True) -> dispatch.Entry[HeadImplementation]:
+    """The ``dispatch.Entry`` of ``head``: checked by planning it (``HeadImplementation.
+    plan``), called as ``head(plan, h, w, labels, temperature, min_logit)`` on the
+    compacted rows; a ``kernel``'s plan is probed under ``"auto"`` (``probe.lowering_error``:
+    its forward and backward lower for the target platform)."""
+    def lowers(plan, config, spec):
+        return probe.lowering_error(head, *plan, spec)
+
+    return dispatch.Entry(name, head, platforms, check=functools.partial(_plan, head),
+                          probe=lowers if kernel else None, auto=auto)
+
 
 #: ``"auto"``'s order: the platform's kernel, then XLA (the last resort everywhere).
 REGISTRY: dispatch.Registry[HeadImplementation] = dispatch.Registry("impl", [
-    dispatch.Entry("pallas_tpu", pallas_tpu.PALLAS_TPU, platforms=("tpu",)),
-    dispatch.Entry("pallas_triton", pallas_triton.PALLAS_TRITON, platforms=("gpu",)),
-    dispatch.Entry("xla_cpu", xla_cpu.XLA_CPU, platforms=("cpu",)),
-    dispatch.Entry("xla", xla.XLA),
-    dispatch.Entry("reference", reference.REFERENCE, auto=False),
+    head_entry("pallas_tpu", pallas_tpu.PALLAS_TPU, ("tpu",), kernel=True),
+    head_entry("pallas_triton", pallas_triton.PALLAS_TRITON, ("gpu",), kernel=True),
+    head_entry("xla_cpu", xla_cpu.XLA_CPU, ("cpu",)),
+    head_entry("xla", xla.XLA),
+    head_entry("reference", reference.REFERENCE, auto=False),
 ])
-IMPLEMENTATIONS: dict[Impl, HeadImplementation] = {n: REGISTRY[n] for n in get_args(Impl)}
-_KERNELS = ("pallas_tpu", "pallas_triton")  # under "auto", planned and probed first
+IMPLEMENTATIONS: dict[Impl, HeadImplementation] = {n: e.call for n, e in REGISTRY.entries.items()}
+
+
+def _config_owner(impl: str, config) -> str | None:
+    """The implementation ``config`` belongs to (None without a config).
+
+    Raises:
+      ValueError: an unknown ``impl``.
+      TypeError: a config of another implementation than ``impl`` (both named).
+    """
+    REGISTRY.check_name(impl)
+    if config is None:
+        return None
+    entries = REGISTRY.entries
+    owner = next((n for n, e in entries.items() if type(config) is e.call.config_type), None)
+    if owner is None or impl not in ("auto", owner):
+        want = [entries[n].call.config_type.__name__
+                for n in (entries if impl == "auto" else (impl,))]
+        raise TypeError(f"config must be one of {want} for impl={impl!r}, got "
+                        f"{type(config).__name__}")
+    return owner
 
 
 def resolve_impl(impl: Impl | Literal["auto"], config=None) -> Impl:
@@ -52,56 +100,34 @@ def resolve_impl(impl: Impl | Literal["auto"], config=None) -> Impl:
       ValueError: an unknown name (the valid ones listed).
       TypeError: a config of another implementation than ``impl`` (both named).
     """
-    REGISTRY.check_name(impl)
-    names = get_args(Impl)
-    if config is not None:
-        owner = next((n for n in names if type(config) is IMPLEMENTATIONS[n].config_type), None)
-        if owner is None or impl not in ("auto", owner):
-            want = [IMPLEMENTATIONS[n].config_type.__name__ for n in
-                    (names if impl == "auto" else (impl,))]
-            raise TypeError(f"config must be one of {want} for impl={impl!r}, got "
-                            f"{type(config).__name__}")
-        return owner
-    if impl != "auto":
-        return impl
+    owner = _config_owner(impl, config)
+    if owner is not None or impl != "auto":
+        return owner or impl
     return REGISTRY.candidates(dispatch.target_platform())[0]
 
 
 def plan(impl: Impl | Literal["auto"], config, spec: HeadSpec):
-    """``(implementation, plan, padded rows)`` for ``spec``.
+    """``(implementation, plan, padded rows)`` for ``spec``, through
+    ``jaxhead.dispatch.Registry.resolve``.
 
     An implementation that cannot run ``spec`` raises under an explicit ``impl``. Under
-    ``"auto"`` (``jaxhead.dispatch.Registry.resolve``) a kernel (``pallas_tpu``,
-    ``pallas_triton``) is used only if it plans without any error and its plan lowers,
-    forward and backward, for the target platform (``probe.lowering_error``; not in
-    interpret mode); otherwise the next implementation (XLA, with its default config)
-    takes over and the reason is logged (logger ``"jaxhead"``, level WARNING).
+    ``"auto"`` the implementation ``config`` belongs to is tried first, then the
+    platform's order (``REGISTRY``), each with its default config: a kernel
+    (``pallas_tpu``, ``pallas_triton``) is used only if it plans (no
+    ``KernelUnsupported``) and its plan lowers, forward and backward, for the target
+    platform (``probe.lowering_error``; not in interpret mode); otherwise the next one
+    takes over and the reason is logged (logger ``"jaxhead"``, level WARNING; an error
+    under ``jaxhead.dispatch.strict``).
 
     Raises:
       KernelUnsupported / ValueError / TypeError: as ``resolve_impl`` and the
-        implementation's ``plan`` (explicit ``impl``, or a bad config under ``"auto"``).
+        implementation's ``plan`` (any error but ``KernelUnsupported`` under ``"auto"``
+        too: a kernel that fails to plan is a bug to see, not a reason to fall back).
     """
-    name = resolve_impl(impl, config)
-    if impl != "auto" or name not in _KERNELS:
-        chosen = IMPLEMENTATIONS[name]
-        made, padded = chosen.plan(config, spec)
-        return chosen, made, padded
-
-    def check(candidate: str):
-        head, own = IMPLEMENTATIONS[candidate], config if candidate == name else None
-        try:
-            made, padded = head.plan(own, spec)
-        except KernelUnsupported:
-            raise
-        except Exception as err:  # any planning failure of a kernel: try the next one
-            if type(err) in (ValueError, TypeError) and own is not None:
-                raise  # a bad value in the user's config (named), not the kernel's failure
-            raise KernelUnsupported(f"{type(err).__name__}: {err}") from err
-        reason = probe.lowering_error(head, made, padded, spec)
-        return (head, made, padded) if reason is None else dispatch.Unlowered(reason)
-
-    order = (name, "xla") if config is not None else None
-    return REGISTRY.resolve("auto", check, order=order)[1]
+    owner = _config_owner(impl, config)
+    choice = REGISTRY.resolve(impl, config, spec, first=owner)
+    made, padded = choice.plan
+    return choice.call, made, padded
 
 
 def _resolve_bucket(keep, bucket, num_tokens: int) -> int:
@@ -251,9 +277,10 @@ def token_logprobs(
         mesh in context, else ``jax.default_backend()``): pallas_tpu on TPU, pallas_triton
         on GPU, xla_cpu on CPU; when the kernel cannot run the call (e.g. an unsupported
         dtype, tiles that exceed VMEM, a mesh that would partition it outside
-        ``shard_map``, any error planning it or lowering it) ``"auto"`` uses xla and logs
-        the reason (logger ``"jaxhead"``). The kernels run on CPU only in Pallas interpret
-        mode (``jaxhead.pallas_interpret``), for tests.
+        ``shard_map``, its lowering refused by the compiler) ``"auto"`` uses the next
+        implementation (xla) and logs the reason (logger ``"jaxhead"``; an error under
+        ``jaxhead.dispatch.strict``); any other error planning it raises. The kernels
+        run on CPU only in Pallas interpret mode (``jaxhead.pallas_interpret``), for tests.
       config: the implementation's settings: ``XlaConfig``, ``XlaCpuConfig``,
         ``PallasTpuConfig`` or ``PallasTritonConfig`` (a config also names its
         implementation under ``impl="auto"``); None: the defaults.

@@ -33,8 +33,7 @@ def lowering_error(head, plan, padded: int, spec: HeadSpec) -> str | None:
     characters). Interpret-mode plans and empty ones are not probed (None)."""
     if padded == 0 or pallas_mode.interpret_mode() is not None:
         return None
-    device = pallas_mode.target_device()
-    platform = None if device is None else device.platform
+    platform = dispatch.target_platform(pallas_mode.planned_mesh())  # compile_for's too
     return _probe(head, plan, padded, spec, platform)
 
 
@@ -52,6 +51,13 @@ def _probe(head, plan, padded: int, spec: HeadSpec, platform: str | None) -> str
 
     with _one_device():
         return dispatch.lowering_error(jax.grad(loss, (0, 1)), *args, platform=platform)
+
+
+#: The private jax names this module uses, the only ``jax._src`` import of the packages
+#: (``tests/train/test_layout.py`` pins both: that no other module imports ``jax._src``,
+#: and that these exist in the jax installed).
+PRIVATE_JAX = (("jax._src.sharding_impls", "_internal_use_concrete_mesh"),
+               ("jax._src.mesh", "empty_concrete_mesh"))
 
 
 @contextlib.contextmanager

@@ -8,8 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxhead._src import validation
-from jaxhead._src.head import invalid, layout
+from jaxhead._src.head import invalid, layout, validation
 from jaxhead._src.head.base import HeadSpec, Implementation
 from jaxhead._src.head.layout import WeightLayout
 from jaxhead._src.types import HeadOutput

@@ -28,9 +28,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxhead._src import validation
 from jaxhead._src.buckets import DEFAULT_GROWTH, DEFAULT_MULTIPLE, bucket_size
-from jaxhead._src.head import api, invalid, layout, pallas_mode
+from jaxhead._src.head import api, invalid, layout, pallas_mode, validation
 from jaxhead._src.head.base import HeadSpec
 from jaxhead._src.head.layout import WeightLayout
 from jaxhead._src.types import HeadOutput
