@@ -16,8 +16,18 @@ from __future__ import annotations
 import os
 import time
 
-from train import (cli, evaluate, experience, nonfinite, plot, rl_loss, rollout, setup, steps,
-                   updates)
+from train import (
+    cli,
+    evaluate,
+    experience,
+    nonfinite,
+    plot,
+    rl_loss,
+    rollout,
+    setup,
+    steps,
+    updates,
+)
 from train.experience import generator, rollout_sequences, score, truncation
 from train.loop import Loop, Stage
 from train.metrics import grpo_metrics, machine, peak_flops, train_step_flops

@@ -127,11 +127,11 @@ def test_updates_that_round_away_are_refused_before_any_work(tmp_path, capsys):
     assert cfg.model.param_dtype == "float32" and cfg.model.dtype == "bfloat16"
     cfg.model.param_dtype = "bfloat16"
     problems = config.check(cfg)
-    assert [p for p in problems if p.startswith("model.param_dtype = 'bfloat16'")] == [
+    assert [p for p in problems if p.startswith("model.param_dtype = 'bfloat16'")] == [(
         "model.param_dtype = 'bfloat16': bfloat16 parameters round away an update of "
         "train.optim.lr = 1e-06, below half their spacing at 1.0 (0.00390625): the weights "
         "would not train; use param_dtype='float32' (float32 master weights and Adam "
-        "moments) with model.dtype='bfloat16' (bf16 compute)"], problems
+        "moments) with model.dtype='bfloat16' (bf16 compute)")], problems
     cfg = load_config(MICRO)
     cfg.workdir = str(tmp_path / "run")
     cfg.model.param_dtype = "bfloat16"  # the micro config's rates: 2e-3 (SFT), 1e-4
@@ -140,9 +140,9 @@ def test_updates_that_round_away_are_refused_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
     cfg.model.param_dtype = "float32"
     cfg.train.optim.lr = 1e-8  # below float32's spacing at 1.0 too
-    assert [p.split(",")[0] for p in config.check(cfg)] == [
+    assert [p.split(",")[0] for p in config.check(cfg)] == [(
         "model.param_dtype = 'float32': float32 parameters round away an update of "
-        "train.optim.lr = 1e-08"]
+        "train.optim.lr = 1e-08")]
 
 
 def test_rows_that_do_not_split_over_the_context_axis_are_named(tmp_path, capsys):

@@ -5,6 +5,8 @@ weighed ``1 / m``: with two padding-only parts of four the load-balancing term w
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import numpy as np
 import pytest
@@ -49,6 +51,6 @@ def test_padding_only_micro_batches_weigh_nothing(moe):
     norm = rl_loss.LossNorm.of(packed.loss_mask, packed.seq_index, packed.num_seqs,
                                packed.segment_ids)
     for rows in ((0, 1, 2, 3), (0, 2, 4)):  # 4 parts of 1 row, 2 parts of 2 rows
-        parts = [packed.rows(a, b) for a, b in zip(rows, rows[1:], strict=False)]
+        parts = [packed.rows(a, b) for a, b in itertools.pairwise(rows)]
         split = sum(loss(p, norm) for p in parts)
         assert abs(split - whole) <= 1e-6 * abs(whole), (rows, split, whole, aux)

@@ -39,7 +39,7 @@ def tiny():
 
 
 def _run(tiny, change=None):
-    mdef, params, tx, step, packed = tiny
+    _, params, tx, step, packed = tiny
     b = place_batch(packed.arrays("old_logp", "advantages"))
     if change:
         b = change(b)
@@ -138,10 +138,10 @@ def test_the_run_stops_after_the_configured_count_naming_the_cause(run, monkeypa
 
 
 def test_a_non_finite_reward_names_the_task_and_the_problem(run, monkeypatch):
-    cfg, s, _, problems = run
+    _, s, _, problems = run
     p = problems[0]
     ds = s.tasks.dataset(p.task, 0)
     monkeypatch.setattr(type(ds), "score_answer", lambda self, answer, entry: float("nan"))
-    with pytest.raises(ValueError, match=rf"task 'chain_sum' scored a non-finite reward nan "
-                                         rf"for the problem '.*' with the answer '7'"):
+    with pytest.raises(ValueError, match=r"task 'chain_sum' scored a non-finite reward nan "
+                                         r"for the problem '.*' with the answer '7'"):
         s.tasks.reward(p, "7</answer>")  # after the prompt's "<answer>"
