@@ -55,7 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness, models: a checkout's
 
-from harness.memory import measure
+from harness.memory import CONFIG, measure, shipped
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -95,6 +95,9 @@ def main(argv=None) -> None:
                         "(default: the worst case)")
     parser.add_argument("--moe-token-chunk", type=int, default=None,
                         help="the MoE's tokens per chunk (ModelConfig.moe_token_chunk)")
+    parser.add_argument("--config", default=CONFIG,
+                        help="the trainer config (configs/<name>.py) whose dtypes, optimizer "
+                             "and loss settings the step uses (default: %(default)s)")
     args = parser.parse_args(argv)
     meshes = [parse_mesh(m) for m in (args.mesh or ["fsdp=8,expert=8"])]
     devices = max(math.prod(m.values()) for m in meshes)
@@ -102,6 +105,9 @@ def main(argv=None) -> None:
                                + f" --xla_force_host_platform_device_count={devices}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+    settings = shipped(args.config)
+    print(f"trainer config configs/{args.config}.py: {settings['dtype']} compute, "
+          f"{settings['param_dtype']} parameters and optimizer moments\n")
     print("| preset | mesh | devices | tokens/device | params GiB | Adam m+v GiB | "
           "temporaries GiB | host temporaries GiB | peak GiB | fits | compile s | "
           "compiled for | dispatch | Mosaic kernels |")
@@ -115,7 +121,7 @@ def main(argv=None) -> None:
                           remat_policy=args.remat_policy,
                           topology=args.topology, scan=not args.no_scan, dispatch=dispatch,
                           capacity_factor=args.capacity_factor,
-                          moe_token_chunk=args.moe_token_chunk)
+                          moe_token_chunk=args.moe_token_chunk, config=args.config)
             peak = "-" if row["peak"] is None else f"{row['peak']:.3g}"
             print("| {preset} | {mesh} | {devices} | {tokens} | {params:.3g} | {adam:.3g} | "
                   "{temp:.3g} | {host_temp:.3g} | {p} | {fits} | {compile:.0f} | {target} | {dispatch} | "

@@ -7,9 +7,12 @@ compiler, needs ``libtpu``), and compiled; ``Compiled.memory_analysis()`` then g
 per-device sizes of XLA's buffer assignment. The step is the trainer's own
 (``train.steps.grpo_step`` under a ``train.placement.Placement``): decoder forward
 (expert-parallel MoE), the head per token shard on the kept tokens (with entropy), the
-clipped GRPO loss plus the load-balancing loss, backward, an ``optax.adam`` update
-(float32 ``m`` and ``v`` like the float32 parameters), parameters and optimizer state
-donated.
+clipped GRPO loss plus the load-balancing loss, backward, the optimizer update,
+parameters and optimizer state donated. The model's compute and parameter dtypes, the
+optimizer (``train.optim.make_optimizer``: global-norm clipping then AdamW, its moments in
+the parameters' dtype) and the loss settings are those of a shipped trainer config
+(``shipped``; ``configs/grpo_qwen3_30b_a3b.py`` by default): what the tables measure is
+what the config trains.
 """
 
 from __future__ import annotations
@@ -33,16 +36,45 @@ def _shard_bytes(abstract) -> int:
                for a in jax.tree.leaves(abstract))
 
 
+#: The trainer config whose settings ``measure`` uses unless told otherwise.
+CONFIG = "grpo_qwen3_30b_a3b"
+
+
+def shipped(config: str = CONFIG) -> dict:
+    """The settings of ``configs/<config>.py`` a train step's memory depends on: ``dtype``
+    and ``param_dtype`` (the model's), ``tx`` (its GRPO stage's optimizer) and ``loss``
+    (``train.rl_loss.LossConfig``).
+
+    Raises:
+      FileNotFoundError: no such config file (named).
+    """
+    from pathlib import Path
+
+    from train import updates
+    from train.cli import load_config
+    from train.optim import make_optimizer
+
+    path = Path(__file__).resolve().parents[1] / "configs" / f"{config}.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"no trainer config {str(path)!r}")
+    cfg = load_config(str(path))
+    t = cfg.train
+    tx, _ = make_optimizer(t.optim, t.steps, t.updates_per_batch * t.mini_batches)
+    return {"dtype": cfg.model.dtype, "param_dtype": cfg.model.param_dtype, "tx": tx,
+            "loss": updates.loss_config(cfg)}
+
+
 def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, keep: float,
             layers: int, remat: bool = False, remat_policy: str = "nothing_saved",
             topology: str | None = None, scan: bool = True, dispatch: str = "dense",
-            capacity_factor: float | None = None, moe_token_chunk: int | None = None) -> dict:
+            capacity_factor: float | None = None, moe_token_chunk: int | None = None,
+            config: str = CONFIG) -> dict:
     """Compile the trainer's GRPO step (``train.steps.grpo_step``: its loss, its head on the
     kept tokens, its placement) for ``mesh_sizes`` on abstract shapes; per-device GiB and
     the lower + compile seconds.
 
     Args:
-      preset: a ``models.get_config`` name; bf16 compute, float32 parameters.
+      preset: a ``models.get_config`` name, with the dtypes of ``config``.
       mesh_sizes: ``models.mesh`` axis sizes (their product: the devices used).
       batch: global sequences (0: one per batch shard); seq: tokens per sequence (split
         over the mesh's ``context`` axis, if it has one).
@@ -56,22 +88,24 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
       scan: False turns the preset's ``scan_layers`` off.
       dispatch, capacity_factor, moe_token_chunk: ``ModelConfig.expert_dispatch`` /
         ``expert_capacity_factor`` / ``moe_token_chunk``.
+      config: the trainer config (``configs/<config>.py``) whose dtypes, optimizer and
+        loss settings the step uses (``shipped``).
 
     Returns:
       a dict of the table's columns (``benchmarks/memory.py``): sizes in GiB per device.
     """
     import jax
     import jax.numpy as jnp
-    import optax
 
     import jaxhead
     from models import context, get_config
     from models.mesh import make_mesh
-    from train import rl_loss, state, steps
+    from train import state, steps
     from train.placement import Placement
 
-    cfg = get_config(preset, dtype="bfloat16", param_dtype="float32", remat=remat,
-                     remat_policy=remat_policy)
+    settings = shipped(config)
+    cfg = get_config(preset, dtype=settings["dtype"], param_dtype=settings["param_dtype"],
+                     remat=remat, remat_policy=remat_policy)
     cfg = cfg.replace(scan_layers=cfg.scan_layers and scan, expert_dispatch=dispatch,
                       expert_capacity_factor=capacity_factor, moe_token_chunk=moe_token_chunk)
     if layers:
@@ -82,8 +116,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     placement = Placement(mesh, mdef)
     shards = placement.batch_shards
     batch = batch or shards
-    tx = optax.adam(1e-6, b1=0.9, b2=0.999, eps=1e-8, mu_dtype=jnp.float32)
-    loss_cfg = rl_loss.LossConfig()
+    tx, loss_cfg = settings["tx"], settings["loss"]
     abstract = placement.abstract_state(tx)
     params, opt = abstract["params"], abstract["opt_state"]
     split = context.context_size(mesh)  # a row's tokens over the context axis
@@ -149,6 +182,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
         "preset": preset + (f" ({layers} layers)" if layers else "")
         + ((", remat" if remat_policy == "nothing_saved" else f", remat {remat_policy}")
            if remat else "") + (", scan" if cfg.scan_layers else ""),
+        "config": config, "dtype": cfg.dtype, "param_dtype": cfg.param_dtype,
         "mesh": " x ".join(f"{k}={v}" for k, v in mesh_sizes.items() if v > 1) or "1",
         "devices": math.prod(mesh_sizes.values()), "tokens": per_shard,
         "target": "CPU (approximation)" if topology is None else f"TPU compiler ({topology})",

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from tests.support import ROOT
+from train.cli import load_config
 
 
 def test_memory_benchmark_tiny():
@@ -18,7 +19,12 @@ def test_memory_benchmark_tiny():
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    sizes, breakdown = proc.stdout.strip().split("\n\n")
+    config, sizes, breakdown = proc.stdout.strip().split("\n\n")
+    # the step is the shipped 30B config's: its dtypes, read from the config file
+    shipped = load_config(str(ROOT / "configs" / "grpo_qwen3_30b_a3b.py")).model
+    assert config == (f"trainer config configs/grpo_qwen3_30b_a3b.py: {shipped.dtype} compute, "
+                      f"{shipped.param_dtype} parameters and optimizer moments")
+    assert (shipped.dtype, shipped.param_dtype) == ("bfloat16", "float32")
     rows = [line for line in sizes.splitlines() if line.startswith("| tiny-moe")]
     assert len(rows) == 1, proc.stdout
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
