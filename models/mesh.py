@@ -22,7 +22,10 @@ recent JAX). The model code carries no sharding annotations; under ``jax.jit`` w
 and the parts whose communication matters are written explicitly with ``jax.shard_map``
 (MoE all-to-all in ``models.moe.api``, the head in
 ``jaxhead.sharded_token_logprobs``, given ``BATCH_AXES`` as its token axes). With Explicit
-axes every ambiguous op in the model would need an ``out_sharding``.
+axes every ambiguous op in the model would need an ``out_sharding``, so every function
+here and in ``models.sharding`` / ``models.moe`` / ``train.placement`` that takes a mesh
+takes one of any axis types (e.g. ``jax.make_mesh``'s default, Explicit) and uses it with
+its axes Auto (``auto_axes``: the same devices and names).
 
 Processes (``jax.distributed``) and placing host batches are the trainer's
 (``train.distributed``, ``train.placement``).
@@ -139,6 +142,15 @@ def make_mesh(config=None, devices: Sequence[jax.Device] | None = None) -> Mesh:
         return Mesh(grid, AXES, axis_types=types)
 
 
+def auto_axes(mesh):
+    """``mesh`` (a ``Mesh`` or ``AbstractMesh``) with every axis ``AxisType.Auto``: the
+    same devices, names and sizes; ``mesh`` itself when it has no other axis type (and
+    None for None)."""
+    if mesh is None or mesh.are_all_axes_auto:
+        return mesh
+    return mesh.update(axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
 def axis_size(mesh, axes: str | Sequence[str]) -> int:
     """Product of the sizes of ``axes`` (names absent from ``mesh`` count as 1)."""
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
@@ -166,8 +178,9 @@ def check_divisible(rows: int, mesh, axes: Sequence[str] = BATCH_AXES, what="bat
 
 
 def batch_sharding(mesh: Mesh, axes: Sequence[str] = BATCH_AXES) -> NamedSharding:
-    """``NamedSharding`` splitting the leading (batch) axis over ``axes``."""
-    return NamedSharding(mesh, P(present(mesh, axes)))
+    """``NamedSharding`` splitting the leading (batch) axis over ``axes`` (of
+    ``auto_axes(mesh)``)."""
+    return NamedSharding(auto_axes(mesh), P(present(mesh, axes)))
 
 
 def active_mesh():

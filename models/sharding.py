@@ -21,6 +21,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from models.mesh import auto_axes
+
 #: Every logical axis name a parameter may use.
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "expert", "layers")
 
@@ -213,6 +215,7 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.St
     Raises:
       ValueError: as ``logical_to_mesh`` (the variable's path is named).
     """
+    mesh = auto_axes(mesh)
     flat = []
     for path, var in nnx.to_flat_state(state):
         names = var.get_metadata().get("out_sharding")
@@ -233,6 +236,7 @@ def init_sharded(factory, mesh: Mesh | None = None, rules=DEFAULT_RULES) -> nnx.
     default device. The values do not depend on the mesh.
     """
     graphdef, abstract_state = nnx.split(nnx.eval_shape(factory))
+    mesh = auto_axes(mesh)
     if mesh is None:
         return nnx.merge(graphdef, jax.jit(lambda: nnx.state(factory()))())
     shardings = state_shardings(abstract_state, mesh, rules)
@@ -241,21 +245,40 @@ def init_sharded(factory, mesh: Mesh | None = None, rules=DEFAULT_RULES) -> nnx.
         return nnx.merge(graphdef, init())
 
 
+def _on_auto_axes(tree):
+    """``tree`` with every ``NamedSharding`` (as a leaf, or of a ``jax.Array`` leaf) moved
+    to ``auto_axes`` of its mesh: the same devices and layout, so arrays are not copied."""
+
+    def leaf(x):
+        if isinstance(x, NamedSharding):
+            return x.update(mesh=auto_axes(x.mesh))
+        sharding = getattr(x, "sharding", None)
+        if isinstance(x, jax.Array) and isinstance(sharding, NamedSharding) and \
+                not sharding.mesh.are_all_axes_auto:
+            return jax.device_put(x, sharding.update(mesh=auto_axes(sharding.mesh)))
+        return x
+
+    return jax.tree.map(leaf, tree, is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
 def jit_sharded(fn, mesh: Mesh, **jit_kwargs):
     """``jax.jit(fn, **jit_kwargs)`` (``in_shardings`` / ``out_shardings`` / ``donate_argnums``
     ...) traced and run under ``jax.set_mesh(mesh)``, which the expert-parallel MoE needs
-    to see the mesh. The result also has ``.lower(*args)`` (for HLO and memory analysis).
+    to see the mesh. A mesh of any axis types runs with its axes Auto
+    (``models.mesh.auto_axes``), and so do shardings and arrays placed on it. The result
+    also has ``.lower(*args)`` (for HLO and memory analysis).
     """
-    jitted = jax.jit(fn, **jit_kwargs)
+    jitted = jax.jit(fn, **_on_auto_axes(jit_kwargs))
+    mesh = auto_axes(mesh)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         with jax.set_mesh(mesh):
-            return jitted(*args, **kwargs)
+            return jitted(*_on_auto_axes(args), **_on_auto_axes(kwargs))
 
     def lower(*args, **kwargs):
         with jax.set_mesh(mesh):
-            return jitted.lower(*args, **kwargs)
+            return jitted.lower(*_on_auto_axes(args), **_on_auto_axes(kwargs))
 
     call.lower = lower
     return call

@@ -42,7 +42,15 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import models
-from models.mesh import AXES, BATCH_AXES, axis_size, batch_sharding, check_divisible, make_mesh
+from models.mesh import (
+    AXES,
+    BATCH_AXES,
+    auto_axes,
+    axis_size,
+    batch_sharding,
+    check_divisible,
+    make_mesh,
+)
 from models.sharding import logical_to_mesh
 from models.transformer import head_bucket
 from train import state
@@ -108,7 +116,8 @@ class Placement:
     """The mesh of a run and where its arrays live.
 
     Attributes:
-      mesh: the ``models.mesh`` mesh over all global devices.
+      mesh: the ``models.mesh`` mesh over all global devices, its axes Auto
+        (``models.mesh.auto_axes`` of the mesh given, of any axis types).
       sharded: more than one device (else the steps run exactly as without a mesh).
       mdef: the model definition (``train.state.ModelDef``).
       rules: the logical -> mesh axis rules (``mdef.cfg.sharding_rules``).
@@ -123,6 +132,7 @@ class Placement:
     """
 
     def __init__(self, mesh: Mesh, mdef: state.ModelDef):
+        mesh = auto_axes(mesh)
         self.mesh, self.mdef = mesh, mdef
         self.sharded = mesh.size > 1
         self.rules = mdef.cfg.sharding_rules

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxhead.dispatch import Choice, Entry, Registry, target_platform
-from models.mesh import BATCH_AXES, axis_size, check_divisible, present
+from models.mesh import BATCH_AXES, auto_axes, axis_size, check_divisible, present
 from models.moe.dense import dense_round
 from models.moe.experts import token_chunks
 from models.moe.ragged import NATIVE, ragged_round, receive_rows
@@ -187,7 +187,8 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
       x: ``[T, H]`` compute dtype, all tokens of the step, split over ``token_axes``.
       experts: int32 ``[T, k]``; weights: float32 ``[T, k]`` (the router's choice).
       gate, up: ``[E, H, I]``; down: ``[E, I, H]``; laid out by ``rules``.
-      mesh: a ``Mesh`` or ``AbstractMesh`` with the ``models.mesh`` axes.
+      mesh: a ``Mesh`` or ``AbstractMesh`` with the ``models.mesh`` axes, of any axis types
+        (used with its axes Auto, ``models.mesh.auto_axes``).
       rules: the logical -> mesh axis rules the weights are placed by
         (``ModelConfig.sharding_rules``; default ``models.sharding.DEFAULT_RULES``:
         experts over ``expert``).
@@ -229,6 +230,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
         its mesh axes (both numbers named); an unknown ``dispatch`` or ``overflow``, or a
         ``capacity_factor`` <= 0 or a ``token_chunk`` that is no int > 0 (named).
     """
+    mesh = auto_axes(mesh)
     check_capacity_factor(capacity_factor)
     check_overflow(overflow)
     check_token_chunk(token_chunk)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType
 
 import jaxhead
@@ -18,9 +19,10 @@ HEAD_CONFIGS = {
 }
 
 
-def mesh_2x4():
-    """A ``("data", "expert")`` mesh of 2 x 4 CPU devices, ``Auto`` axes."""
-    return jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+def mesh_2x4(axis_types=None):
+    """A ``("data", "expert")`` mesh of 2 x 4 CPU devices: ``jax.make_mesh``'s default axis
+    types (Explicit), or ``axis_types``."""
+    return jax.make_mesh((2, 4), ("data", "expert"), axis_types=axis_types)
 
 
 def head_case() -> dict:
@@ -124,4 +126,47 @@ def weight_layout_case() -> dict:
     results["invalid_label"] = {"loss_nan": bool(jnp.isnan(loss)),
                                 "dhidden_nan": bool(jnp.isnan(dh).any()),
                                 "dweight_all_nan": bool(jnp.isnan(dw).all())}
+    return results
+
+
+def mesh_types_case() -> dict:
+    """The sharded head on meshes of each axis type: ``jax.make_mesh``'s default (Explicit
+    axes; ``head_case`` runs it under ``jit`` with gradients) eagerly, with the mesh set
+    by ``jax.set_mesh`` (``mesh=None``) and through ``LMHead.sharded``; Auto axes and a mix
+    under ``jit``. Max |log-prob - one device| of each way, or the error it raised."""
+    b, s, h, v = 8, 4, 16, 64
+    hidden, weight, labels = head_inputs(2, b * s, h, v)
+    hidden, labels = hidden.reshape(b, s, h), labels.reshape(b, s)
+    keep = np.random.default_rng(2).random((b, s)) < 0.5
+    ref = jaxhead.token_logprobs(hidden, weight, labels, keep).logprobs
+    head = jaxhead.LMHead(h, v, rngs=nnx.Rngs(0))
+    head.kernel[...] = weight
+    default, auto = mesh_2x4(), mesh_2x4((AxisType.Auto,) * 2)
+    mixed = mesh_2x4((AxisType.Explicit, AxisType.Auto))
+    tokens, vocab = HEAD_CONFIGS["tokens"], HEAD_CONFIGS["vocab_parallel"]
+
+    def head_fn(mesh, axes):
+        return lambda hd, w: jaxhead.sharded_token_logprobs(hd, w, labels, keep, mesh=mesh,
+                                                            **axes).logprobs
+
+    def in_context(mesh, axes):
+        with jax.set_mesh(mesh):
+            return jax.jit(head_fn(None, axes))(hidden, weight)
+
+    ways = {
+        "default/tokens/eager": lambda: head_fn(default, tokens)(hidden, weight),
+        "default/vocab_parallel/eager": lambda: head_fn(default, vocab)(hidden, weight),
+        "default/vocab_parallel/set_mesh": lambda: in_context(default, vocab),
+        "default/tokens/lmhead": lambda: head.sharded(hidden, labels, keep, mesh=default,
+                                                      **tokens).logprobs,
+        "auto/tokens/jit": lambda: jax.jit(head_fn(auto, tokens))(hidden, weight),
+        "auto/vocab_parallel/jit": lambda: jax.jit(head_fn(auto, vocab))(hidden, weight),
+        "mixed/vocab_parallel/jit": lambda: jax.jit(head_fn(mixed, vocab))(hidden, weight),
+    }
+    results = {}
+    for way, call in ways.items():
+        try:
+            results[way] = max_abs(call(), ref)
+        except Exception as err:  # noqa: BLE001 - the error is the measurement
+            results[way] = f"{type(err).__name__}: {err}"[:300]
     return results

@@ -34,8 +34,18 @@ def test_sharded_head_matches_single_device():
             assert r[key] <= TOL, f"{name}: max |{key} - single device| = {r[key]:.3g} > {TOL}"
         # every shard compacted into one bucket smaller than its token count
         assert r["bucket"] < r["tokens_per_shard"], (name, r)
-    assert results["tokens"]["out_spec"] == "P(('data', 'expert'),)"
-    assert results["vocab_parallel"]["out_spec"] == "P('data',)"
+    # split like the labels [B, S] (a default mesh's Explicit axes type every dimension)
+    assert results["tokens"]["out_spec"] == "P(('data', 'expert'), None)"
+    assert results["vocab_parallel"]["out_spec"] == "P('data', None)"
+
+
+def test_sharded_head_on_every_mesh_axis_type():
+    """Issue 36: on ``jax.make_mesh``'s default mesh (Explicit axes) the head raised
+    ``shard_map``'s in_specs error, eagerly and under ``jit``."""
+    results = run_case("tests.jaxhead.sharding_cases:mesh_types_case")
+    assert len(results) == 7
+    for way, err in results.items():
+        assert isinstance(err, float) and err <= TOL, f"{way}: {err}"
 
 
 def head_args(batch=8, seq=4, hidden=32, vocab=256):

@@ -15,11 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
 
 import jaxhead
 from harness.oracle import head_inputs, max_abs
 from models import get_config, jit_sharded, state_shardings
-from models.mesh import BATCH_AXES, batch_sharding, make_mesh, present
+from models.mesh import AXES, BATCH_AXES, batch_sharding, make_mesh, present
 from models.moe.api import routed_experts, tokens_per_dispatch
 from models.moe.reference import dropless_experts
 from tests.support.models import random_model
@@ -39,7 +40,9 @@ def compare_on_mesh(step, state, batch, mesh_config, reference=None):
       state: an ``nnx.State`` (model parameters, optimizer state, ...) whose variables
         carry logical axes.
       batch: pytree of host arrays ``[B, ...]``.
-      mesh_config: ``models.mesh.MeshConfig`` fields, e.g. ``{"data": 2, "expert": 4}``.
+      mesh_config: ``models.mesh.MeshConfig`` fields, e.g. ``{"data": 2, "expert": 4}``,
+        or a ``jax.sharding.Mesh`` with the ``models.mesh`` axes (of any axis types: the
+        state is placed on it as given).
       reference: the single-device step, ``jax.jit`` without a mesh (default ``step``).
 
     Returns:
@@ -47,9 +50,10 @@ def compare_on_mesh(step, state, batch, mesh_config, reference=None):
       where ``diffs`` maps each output leaf's key path to its max absolute difference.
     """
     ref_out = jax.jit(reference or step)(state, batch)
-    mesh = make_mesh(mesh_config)
+    mesh = mesh_config if isinstance(mesh_config, Mesh) else make_mesh(mesh_config)
     shardings = state_shardings(state, mesh)
-    placed = jax.device_put(state, shardings)
+    placed = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s.spec),
+                                                shardings))
     sharded_batch = place_batch(batch, mesh, per_process=True)
     run = jit_sharded(step, mesh, in_shardings=(shardings, batch_sharding(mesh)))
     out = run(placed, sharded_batch)
@@ -179,10 +183,10 @@ def moe_case() -> dict:
                 "addressable": sorted({tuple(s.data.shape) for s in arr.addressable_shards}),
             }
     grad_diff = max(v for k, v in diffs.items() if k.startswith("[2]"))
-    fwd_diffs, *_ = compare_on_mesh(
+    fwd_diffs, *_ = compare_on_mesh(  # on jax.make_mesh's default mesh: Explicit axes
         rl_loss_step(graphdef, jaxhead.bucket_for_shards(keep, 4, multiple=16), True,
                      with_grads=False),
-        state, batch, {"fsdp": 2, "expert": 2, "tensor": 2},
+        state, batch, jax.make_mesh((1, 2, 2, 1, 2), AXES),
         reference=rl_loss_step(graphdef, single_bucket, False, with_grads=False),
     )
     return {

@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from models import Transformer, get_config, init_sharded, make_mesh, state_shardings
+from models import Transformer, get_config, init_sharded, state_shardings
+from models.mesh import AXES, auto_axes
 from models.sharding import logical_to_mesh
 from tests.support.multidevice import abstract_mesh
 
@@ -34,7 +35,8 @@ def test_default_rules():
 
 def test_state_shardings_and_init_sharded():
     cfg = get_config("tiny-moe", num_hidden_layers=1)
-    mesh = make_mesh()  # every device on "data" (one here)
+    # jax.make_mesh's default axis types (Explicit): the models run it with Auto axes
+    mesh = jax.make_mesh((1,) * len(AXES), AXES, devices=jax.devices()[:1])
     model = init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
     specs = {"/".join(map(str, p)): v.get_value().spec
              for p, v in nnx.to_flat_state(state_shardings(nnx.state(model), mesh))}
@@ -45,6 +47,7 @@ def test_state_shardings_and_init_sharded():
     assert specs["lm_head/kernel"] == P("fsdp", "tensor")
     placed = model.layers[0].mlp.down_proj[...]
     assert placed.sharding.spec == P("expert", "tensor", "fsdp")
+    assert placed.sharding.mesh == auto_axes(mesh) and auto_axes(mesh).are_all_axes_auto
     plain = jax.jit(lambda: nnx.state(Transformer(cfg, rngs=nnx.Rngs(0))))()
     chex.assert_trees_all_equal(nnx.state(model), plain)
 

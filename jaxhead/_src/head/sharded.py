@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxhead._src.buckets import DEFAULT_GROWTH, DEFAULT_MULTIPLE, bucket_size
@@ -107,6 +107,25 @@ def _check_axes(mesh, token_axes, vocab_axis, vocab_size):
             f"vocab size {vocab_size} is not divisible by the {n} devices of vocab_axis "
             f"{vocab_axis!r}"
         )
+
+
+def _placed(args, specs, mesh):
+    """``args`` laid out as ``specs`` over ``mesh``'s Explicit axes (every axis of a
+    default ``jax.make_mesh`` mesh): ``jax.shard_map`` takes arrays sharded over such axes
+    only in its ``in_specs``' layout. Auto axes are the compiler's to move; a mesh without
+    Explicit axes returns ``args`` as given."""
+    explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types)
+                if t == jax.sharding.AxisType.Explicit}
+    if not explicit:
+        return args
+
+    def over_explicit(spec):
+        dims = [tuple(a for a in ((d,) if isinstance(d, str) else d or ()) if a in explicit)
+                for d in spec]
+        return P(*(d or None for d in dims))
+
+    return [jax.sharding.reshard(x, NamedSharding(mesh, over_explicit(s)))
+            for x, s in zip(args, specs)]
 
 
 def _fully_known(*xs) -> bool:
@@ -239,5 +258,5 @@ def sharded_token_logprobs(
         return logp.reshape(y.shape), ent.reshape(y.shape)
 
     run = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=(tok, tok))
-    logp, ent = api.mask_ignored(ignored, *run(*args))
+    logp, ent = api.mask_ignored(ignored, *run(*_placed(args, specs, mesh)))
     return HeadOutput(logp, ent if with_entropy else None)
