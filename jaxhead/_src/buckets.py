@@ -24,15 +24,17 @@ from __future__ import annotations
 
 import math
 
+from jaxhead._src.head.validation import static_int
+
 DEFAULT_MULTIPLE = 128
 DEFAULT_GROWTH = 1.25
 
 
-def _check_ladder_args(multiple: int, growth: float) -> None:
-    if not isinstance(multiple, int) or multiple < 1:
-        raise ValueError(f"multiple must be a positive int, got {multiple!r}")
+def _check_ladder_args(multiple: int, growth: float) -> int:
+    multiple = static_int(multiple, "multiple", 1)
     if not growth > 1.0:
         raise ValueError(f"growth must be > 1, got {growth!r}")
+    return multiple
 
 
 def bucket_ladder(
@@ -49,11 +51,11 @@ def bucket_ladder(
       Increasing list of ints, ending with ``max_size``.
 
     Raises:
-      ValueError: ``max_size < 0``, ``multiple < 1`` or ``growth <= 1``.
+      ValueError: ``max_size`` / ``multiple`` no integer scalar (``int``, ``np.int64``,
+        ...), ``max_size < 0``, ``multiple < 1`` or ``growth <= 1`` (the value named).
     """
-    _check_ladder_args(multiple, growth)
-    if max_size < 0:
-        raise ValueError(f"max_size must be >= 0, got {max_size}")
+    multiple = _check_ladder_args(multiple, growth)
+    max_size = static_int(max_size, "max_size")
     rungs = []
     r = multiple
     while r < max_size:
@@ -83,12 +85,13 @@ def bucket_size(
       it. ``num_kept == 0`` gives the first rung (``min(multiple, max_size)``).
 
     Raises:
-      ValueError: negative ``num_kept``, or ``num_kept > max_size``.
+      ValueError: ``num_kept`` / ``max_size`` / ``multiple`` no integer scalar (``int``,
+        ``np.int64``, a concrete 0-d array), negative ``num_kept``, or
+        ``num_kept > max_size`` (the value named).
     """
-    _check_ladder_args(multiple, growth)
-    num_kept = int(num_kept)
-    if num_kept < 0:
-        raise ValueError(f"num_kept must be >= 0, got {num_kept}")
+    multiple = _check_ladder_args(multiple, growth)
+    num_kept = static_int(num_kept, "num_kept")
+    max_size = None if max_size is None else static_int(max_size, "max_size")
     if max_size is not None and num_kept > max_size:
         raise ValueError(f"num_kept={num_kept} exceeds max_size={max_size}")
     r = multiple

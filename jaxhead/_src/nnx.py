@@ -90,6 +90,7 @@ class LMHead(nnx.Module):
         with_entropy: bool = True,
         bucket: int | None = None,
         min_logit=None,
+        ignore_index: int | None = -100,
     ) -> HeadOutput:
         """``jaxhead.token_logprobs(hidden, weight, labels, keep, ...)``; see there."""
         dtype = self.dtype or hidden.dtype
@@ -97,7 +98,7 @@ class LMHead(nnx.Module):
             hidden.astype(dtype), self.weight(dtype), labels, keep,
             temperature=temperature, softcap=self.softcap, with_entropy=with_entropy,
             bucket=bucket, min_logit=min_logit, impl=self.impl, config=self.config,
-            weight_layout=self.weight_layout,
+            ignore_index=ignore_index, weight_layout=self.weight_layout,
         )
 
     def sharded(
@@ -113,6 +114,7 @@ class LMHead(nnx.Module):
         with_entropy: bool = True,
         bucket: int | None = None,
         min_logit=None,
+        ignore_index: int | None = -100,
     ) -> HeadOutput:
         """``jaxhead.sharded_token_logprobs`` with this head's weight and settings: tokens
         split over ``token_axes`` of ``mesh`` (None: the mesh set with ``jax.set_mesh``),
@@ -124,7 +126,7 @@ class LMHead(nnx.Module):
             token_axes=token_axes, vocab_axis=vocab_axis, bucket=bucket,
             temperature=temperature, softcap=self.softcap, with_entropy=with_entropy,
             min_logit=min_logit, impl=self.impl, config=self.config,
-            weight_layout=self.weight_layout,
+            ignore_index=ignore_index, weight_layout=self.weight_layout,
         )
 
     def logits(self, hidden: jax.Array) -> jax.Array:

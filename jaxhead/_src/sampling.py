@@ -37,9 +37,8 @@ def _check_settings(rows, vocab, num_valid, temperature, top_k, top_p, min_p,
     """``num_valid`` (V when None) after checking the draw's settings against ``vocab``."""
     if rows < 1:
         raise ValueError(f"sampling needs at least one row, got B = {rows}")
-    if not (isinstance(vocab_chunk, int) and vocab_chunk > 0):
-        raise ValueError(f"vocab_chunk must be a positive int, got {vocab_chunk!r}")
-    num_valid = vocab if num_valid is None else int(num_valid)
+    validation.static_int(vocab_chunk, "vocab_chunk", 1)
+    num_valid = vocab if num_valid is None else validation.static_int(num_valid, "num_valid")
     if not 0 < num_valid <= vocab:
         raise ValueError(f"num_valid must be in [1, V={vocab}], got {num_valid}")
     if _static(temperature) and not 0 <= temperature < float("inf"):
@@ -49,7 +48,8 @@ def _check_settings(rows, vocab, num_valid, temperature, top_k, top_p, min_p,
                          f"shape {jnp.shape(temperature)}")
     if (not jnp.issubdtype(jnp.result_type(top_k), jnp.integer)  # bool and float too
             or (_static(top_k) and not 0 <= top_k <= vocab)):
-        raise ValueError(f"top_k must be an int in [0, V={vocab}] (0: off), got {top_k!r}")
+        raise ValueError(f"top_k must be an int in [0, V={vocab}] (0: off), got "
+                         f"{validation.short(top_k)}")
     if _static(top_p) and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (1: off), got {top_p!r}")
     if _static(min_p) and not 0 <= min_p < 1:
@@ -370,12 +370,16 @@ def sample(
       ``Sample(tokens, logprobs, min_logit, logmass)``, ``[B]`` each (see ``Sample``).
 
     Raises:
+      TypeError: ``hidden`` / ``weight`` not arrays, not floating or of different dtypes
+        (as ``jaxhead.token_logprobs``; both named).
       ValueError: bad shapes (a weight that does not match ``H`` in ``weight_layout``: the
         layout named), an unknown ``weight_layout``, no rows, ``temperature`` negative,
         infinite or not a scalar, ``num_valid`` outside ``[1, V]``, ``top_k`` not an integer,
         ``top_k`` / ``top_p`` / ``min_p`` outside their ranges, or ``vocab_chunk`` not a
         positive int (the value named).
     """
+    validation.check_float_pair(validation.dtype_of(hidden, "hidden"),
+                                validation.dtype_of(weight, "weight"))
     if hidden.ndim != 2:
         raise ValueError(f"hidden must be [B, H], got shape {hidden.shape}")
     validation.check_weight(hidden.shape, weight.shape, weight_layout)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxhead
 from harness.oracle import head_inputs
@@ -84,8 +85,66 @@ def test_bad_temperature_softcap_impl(data):
         jaxhead.token_logprobs(hidden, weight, labels, softcap=-1.0)
     with pytest.raises(ValueError, match=r"impl must be 'auto' or one of .* got 'cuda'"):
         jaxhead.token_logprobs(hidden, weight, labels, impl="cuda")
-    with pytest.raises(ValueError, match="bucket must be a non-negative int or None, got 2.5"):
+    with pytest.raises(ValueError, match="bucket must be an integer >= 0 known on the host, "
+                       "got 2.5"):
         jaxhead.token_logprobs(hidden, weight, labels, jnp.ones(40, bool), bucket=2.5)
+    with pytest.raises(ValueError, match="bucket must be an integer >= 0 .* got True"):
+        jaxhead.token_logprobs(hidden, weight, labels, bucket=True)  # keep=None: checked too
+
+
+def test_bucket_is_any_integer_scalar(data):
+    """Issue 36: ``bucket=np.int64(16)`` (what ``keep.sum()`` arithmetic gives) was refused."""
+    hidden, weight, labels = data
+    keep = np.arange(40) % 3 == 0
+    want = jaxhead.token_logprobs(hidden, weight, labels, keep, bucket=16)
+    for bucket in (np.int64(16), np.int32(16), np.array(16), jnp.asarray(16)):
+        got = jaxhead.token_logprobs(hidden, weight, labels, keep, bucket=bucket)
+        chex.assert_trees_all_equal(got, want)
+    assert jaxhead.bucket_size(np.int64(14), np.int64(40), multiple=np.int32(16)) == 16
+    assert jaxhead.bucket_for_shards(keep.reshape(4, 10), np.int64(2), multiple=8) == 8
+    with pytest.raises(ValueError, match="num_kept must be an integer >= 0 .* got 3.5"):
+        jaxhead.bucket_size(3.5)
+
+
+def test_errors_cut_long_values(data):
+    """Issue 36: labels as a Python list printed the whole list in the error."""
+    hidden, weight, labels = data
+    as_list = [int(y) for y in np.asarray(labels)] * 1000
+    with pytest.raises(TypeError, match=r"labels must be an array .* got \[.*\.\.\. \(list "
+                       r"of 40000 items\)") as err:
+        jaxhead.token_logprobs(hidden, weight, as_list)
+    assert len(str(err.value)) < 200
+    with pytest.raises(TypeError, match="keep must be an array") as err:
+        jaxhead.token_logprobs(hidden, weight, labels, [True] * 40)
+    assert len(str(err.value)) < 200
+    with pytest.raises(ValueError, match=r"bucket must be .* \(list of 5000 items\)"):
+        jaxhead.token_logprobs(hidden, weight, labels, bucket=[1] * 5000)
+
+
+def test_lm_head_and_the_reference_ignore_the_ignore_index():
+    """Issue 36: ``LMHead.__call__`` / ``.sharded`` had no ``ignore_index`` and
+    ``reference_token_logprobs`` raised on the -100 labels ``token_logprobs`` skips."""
+    tokens = jnp.asarray([[5, 6, 7, 8], [1, 2, 3, 4]])
+    hidden = jax.random.normal(jax.random.key(0), (2, 4, 8))
+    weight = jax.random.normal(jax.random.key(1), (8, 16))
+    labels, valid = jaxhead.next_token_labels(tokens)
+    want = jaxhead.token_logprobs(hidden, weight, labels, valid)
+    ref = jaxhead.reference_token_logprobs(hidden, weight, labels)
+    chex.assert_trees_all_close(ref, want, atol=1e-5)
+    jitted = jax.jit(lambda y: jaxhead.reference_token_logprobs(hidden, weight, y))(labels)
+    chex.assert_trees_all_close(jitted, want, atol=1e-5)
+    with pytest.raises(ValueError, match="2 kept label"):
+        jaxhead.reference_token_logprobs(hidden, weight, labels, ignore_index=None)
+    head = jaxhead.LMHead(8, 16, rngs=nnx.Rngs(0))
+    head.kernel[...] = weight
+    chex.assert_trees_all_close(head(hidden, labels), want, atol=1e-6)
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    chex.assert_trees_all_close(head.sharded(hidden, labels, mesh=mesh, token_axes=("data",)),
+                                want, atol=1e-6)
+    with pytest.raises(ValueError, match="2 kept label"):
+        head(hidden, labels, ignore_index=None)
+    labels_7 = jnp.where(valid, labels, -7)
+    chex.assert_trees_all_close(head(hidden, labels_7, ignore_index=-7), want, atol=1e-6)
 
 
 def test_ignore_index_labels_are_not_kept_without_a_keep_mask():

@@ -64,7 +64,7 @@ def test_bad_arguments_raise():
         jaxhead.sample_from_logits(logits, key, top_k=21)
     with pytest.raises(ValueError, match="num_valid must be in"):
         jaxhead.sample_from_logits(logits, key, num_valid=0)
-    with pytest.raises(ValueError, match="vocab_chunk must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="vocab_chunk must be an integer >= 1 known on the host, got 0"):
         jaxhead.sample_from_logits(logits, key, vocab_chunk=0)
     with pytest.raises(ValueError, match="at least one row, got B = 0"):
         jaxhead.sample_from_logits(logits[:0], key)

@@ -215,3 +215,10 @@ def test_bad_arguments_raise():
         jaxhead.sample(hidden, weight, key, min_p=1.0)
     with pytest.raises(ValueError, match="hidden"):
         jaxhead.sample(hidden[:, :4], weight, key)
+    # dtypes as token_logprobs checks them (issue 36: these were accepted)
+    with pytest.raises(TypeError, match="hidden and weight must be floating, got int32"):
+        jaxhead.sample(hidden.astype(jnp.int32), weight.astype(jnp.int32), key)
+    with pytest.raises(TypeError, match="hidden dtype bfloat16 != weight dtype float32"):
+        jaxhead.sample(hidden.astype(jnp.bfloat16), weight, key)
+    with pytest.raises(ValueError, match=r"vocab_chunk must be an integer >= 1 .* got 2.0"):
+        jaxhead.sample(hidden, weight, key, vocab_chunk=2.0)

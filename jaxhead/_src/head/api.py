@@ -141,8 +141,6 @@ def _resolve_bucket(keep, bucket, num_tokens: int) -> int:
                 "bucket on the host, e.g. bucket=jaxhead.bucket_size(int(keep.sum()), "
                 "keep.size), and pass it as a static argument.", stacklevel=3)
         return num_tokens if count is None else bucket_size(count, num_tokens)
-    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
-        raise ValueError(f"bucket must be a non-negative int or None, got {bucket!r}")
     if count is not None and count > bucket:
         raise ValueError(
             f"bucket={bucket} is smaller than the {count} kept tokens; pass a larger bucket "
@@ -266,7 +264,8 @@ def token_logprobs(
         as a constant: no gradient flows to it.
       softcap: ``c > 0`` or None.
       with_entropy: also compute the entropy and its gradient.
-      bucket: static number of rows the kept tokens are compacted into. None: with a
+      bucket: static number of rows the kept tokens are compacted into, any integer scalar
+        known on the host (``int``, ``np.int64``, a concrete 0-d array). None: with a
         concrete ``keep``, ``bucket_size(keep.sum(), N)`` chosen on the host; with a traced
         ``keep``, N (correct, but no saving, and a warning: pass a bucket under ``jit``). 0:
         nothing is computed (every kept token then overflows).
@@ -310,11 +309,13 @@ def token_logprobs(
         not match in ``weight_layout``, with the layout, and the other layout when it would
         fit); a ``weight_layout`` other than ``"hv"`` / ``"vh"``; with concrete inputs, kept labels
         outside ``[0, V)`` (count and first position named), a temperature not > 0 on a
-        kept token, or ``bucket`` smaller than the number of kept tokens; an unknown impl;
+        kept token, or ``bucket`` smaller than the number of kept tokens (or no integer
+        scalar); an unknown impl;
         a bad config value (named). ``jaxhead.KernelUnsupported`` (a ValueError): an
         explicit kernel impl that cannot run the call (the reason named).
-      TypeError: non-float hidden/weight, different hidden/weight dtypes, non-integer
-        labels, non-bool keep; a config of another implementation.
+      TypeError: inputs that are no arrays (e.g. a Python list, shown cut short),
+        non-float hidden/weight, different hidden/weight dtypes, non-integer labels,
+        non-bool keep; a config of another implementation.
 
     Under ``jit`` the value checks cannot run on the host. Instead, a kept token whose
     label is outside ``[0, V)``, or that does not fit in ``bucket``, gets ``logprobs = NaN``
@@ -324,6 +325,7 @@ def token_logprobs(
     validation.check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit,
                             weight_layout)
     hidden_size, vocab_size = layout.sizes(weight.shape, weight_layout)
+    bucket = validation.static_bucket(bucket)
     labels, keep, ignored = ignored_labels(labels, keep, bucket, ignore_index)
     validation.check_values(labels, keep, temperature, vocab_size)
     batch_shape = labels.shape

@@ -24,6 +24,7 @@ def reference_token_logprobs(
     softcap: float | None = None,
     with_entropy: bool = True,
     min_logit=None,
+    ignore_index: int | None = -100,
     weight_layout: WeightLayout = "hv",
 ) -> HeadOutput:
     """Log-probs and entropy from the full ``[..., V]`` logits (what plain JAX code does).
@@ -43,6 +44,8 @@ def reference_token_logprobs(
       with_entropy: also return the entropy.
       min_logit: None, or a float scalar / ``[...]`` threshold on the tempered logits (as
         ``jaxhead.token_logprobs``).
+      ignore_index: with ``keep=None``, positions whose label equals it are skipped (as
+        ``jaxhead.token_logprobs``); None: every position is kept.
 
     Returns:
       ``HeadOutput`` with float32 (float64 for float64 inputs) ``[...]`` arrays.
@@ -52,6 +55,9 @@ def reference_token_logprobs(
     """
     validation.check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit,
                             weight_layout)
+    if keep is None and ignore_index is not None:
+        keep = jnp.asarray(labels) != ignore_index
+        labels = jnp.where(keep, labels, 0)
     validation.check_values(labels, keep, temperature,
                             layout.sizes(weight.shape, weight_layout)[1])
     dtype = jnp.promote_types(jnp.float32, hidden.dtype)
@@ -99,7 +105,7 @@ def _rows_head(plan: _Plan, h, w, labels, temperature, min_logit):
     out = reference_token_logprobs(h, w, labels, temperature=temperature,
                                    softcap=plan.spec.softcap, with_entropy=plan.spec.with_entropy,
                                    min_logit=min_logit if plan.spec.truncated else None,
-                                   weight_layout=plan.spec.weight_layout)
+                                   ignore_index=None, weight_layout=plan.spec.weight_layout)
     ent = out.entropy if out.entropy is not None else jnp.zeros_like(out.logprobs)
     ok = (labels >= 0) & (labels < plan.spec.vocab_size)
     return jnp.where(ok, out.logprobs, jnp.nan), ent

@@ -82,7 +82,7 @@ def bucket_for_shards(
     Raises:
       ValueError: rows not divisible by ``num_shards`` (both numbers named).
     """
-    count, per_shard = _max_shard_count(keep, num_shards)
+    count, per_shard = _max_shard_count(keep, validation.static_int(num_shards, "num_shards", 1))
     if across_processes and jax.process_count() > 1:
         count = int(np.max(multihost_utils.process_allgather(np.int32(count))))
     return bucket_size(count, per_shard, multiple=multiple, growth=growth)
@@ -203,6 +203,7 @@ def sharded_token_logprobs(
     validation.check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit,
                             weight_layout)
     hidden_size, vocab_size = layout.sizes(weight.shape, weight_layout)
+    bucket = validation.static_bucket(bucket)
     labels, keep, ignored = api.ignored_labels(labels, keep, bucket, ignore_index)
     if _fully_known(labels, keep, temperature):
         validation.check_values(labels, keep, temperature, vocab_size)

@@ -8,6 +8,8 @@ known on the host, and the head marks the affected outputs with NaN instead (see
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,52 @@ from jaxhead._src.head import layout
 def is_concrete(x) -> bool:
     """True when ``x`` holds host-readable values (not a tracer inside a transformation)."""
     return not isinstance(x, jax.core.Tracer)
+
+
+def short(value, limit: int = 60) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters (with the type and
+    length of what was cut, e.g. a Python list of labels)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f" of {len(value)} items" if hasattr(value, "__len__") else ""
+    return f"{text[:limit]}... ({type(value).__name__}{size})"
+
+
+def static_int(value, name: str, minimum: int = 0) -> int:
+    """``value`` as a Python int: any integer scalar known on the host (``int``,
+    ``np.int64``, a 0-d integer array), not a bool, a float or a traced value.
+
+    Raises:
+      ValueError: anything else, or an integer below ``minimum`` (the value named).
+    """
+    n = None
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            n = operator.index(value)
+        except (TypeError, jax.errors.ConcretizationTypeError):
+            n = None
+    if n is None or n < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum} known on the host, got "
+                         f"{short(value)}")
+    return n
+
+
+def static_bucket(bucket) -> int | None:
+    """A head's ``bucket``: None, or any integer scalar >= 0 as an int (``static_int``)."""
+    return None if bucket is None else static_int(bucket, "bucket")
+
+
+def dtype_of(x, name: str):
+    """The dtype of the array ``x``.
+
+    Raises:
+      TypeError: ``x`` is no array (e.g. a Python list of labels), named briefly.
+    """
+    try:
+        return jnp.result_type(x)
+    except TypeError:
+        raise TypeError(f"{name} must be an array (numpy or jax), got {short(x)}") from None
 
 
 def check_weight(hidden_shape, weight_shape, weight_layout) -> None:
@@ -57,24 +105,20 @@ def check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit=N
       TypeError: non-float hidden/weight, differing hidden/weight dtypes, non-integer
         labels, non-bool keep, non-float min_logit.
     """
+    hd, wd = dtype_of(hidden, "hidden"), dtype_of(weight, "weight")
+    labels_dtype = dtype_of(labels, "labels")
     hs, ls = jnp.shape(hidden), jnp.shape(labels)
     check_weight(hs, jnp.shape(weight), weight_layout)
     if ls != hs[:-1]:
         raise ValueError(f"labels shape {ls} must equal hidden shape {hs} without its last axis")
-    hd, wd = jnp.result_type(hidden), jnp.result_type(weight)
-    if not jnp.issubdtype(hd, jnp.floating) or not jnp.issubdtype(wd, jnp.floating):
-        raise TypeError(f"hidden and weight must be floating, got {hd} and {wd}")
-    if hd != wd:
-        raise TypeError(
-            f"hidden dtype {hd} != weight dtype {wd}; cast one, e.g. weight.astype(hidden.dtype)"
-        )
-    if not jnp.issubdtype(jnp.result_type(labels), jnp.integer):
-        raise TypeError(f"labels must be integer, got {jnp.result_type(labels)}")
+    check_float_pair(hd, wd)
+    if not jnp.issubdtype(labels_dtype, jnp.integer):
+        raise TypeError(f"labels must be integer, got {labels_dtype}")
     if keep is not None:
+        if dtype_of(keep, "keep") != jnp.bool_:
+            raise TypeError(f"keep must be bool, got {jnp.result_type(keep)}")
         if jnp.shape(keep) != ls:
             raise ValueError(f"keep shape {jnp.shape(keep)} != labels shape {ls}")
-        if jnp.result_type(keep) != jnp.bool_:
-            raise TypeError(f"keep must be bool, got {jnp.result_type(keep)}")
     for name, value in (("temperature", temperature), ("min_logit", min_logit)):
         shape = None if value is None else jnp.shape(value)
         if value is not None and shape not in ((), ls):
@@ -83,6 +127,20 @@ def check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit=N
         raise TypeError(f"min_logit must be floating, got {jnp.result_type(min_logit)}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
+
+
+def check_float_pair(hd, wd) -> None:
+    """Raise unless the dtypes of hidden and weight are the same floating dtype.
+
+    Raises:
+      TypeError: either is not floating, or they differ (both named).
+    """
+    if not jnp.issubdtype(hd, jnp.floating) or not jnp.issubdtype(wd, jnp.floating):
+        raise TypeError(f"hidden and weight must be floating, got {hd} and {wd}")
+    if hd != wd:
+        raise TypeError(
+            f"hidden dtype {hd} != weight dtype {wd}; cast one, e.g. weight.astype(hidden.dtype)"
+        )
 
 
 def _first_position(bad: np.ndarray) -> tuple[int, ...]:
