@@ -298,7 +298,7 @@ def _truncated(z, seeds, temperature, sampled, num_valid, top_k, top_p, min_p):
     ids = lax.broadcasted_iota(jnp.int32, z.shape, 1)
     eligible = (ids < num_valid) & (z > -jnp.inf)
     tau = jnp.where(sampled, _threshold(l, eligible, top_k, top_p, min_p), -jnp.inf)
-    support = l >= tau
+    support = (l >= tau) | jnp.isnan(l)  # a NaN logit makes the log-probs NaN, as untruncated
     # record the threshold halfway to the largest logit left out: the same support, but a
     # trainer whose logits round a little differently (another matmul tiling, a full
     # forward instead of the KV cache) still sees the boundary ids on the same side
@@ -315,13 +315,25 @@ def _truncated(z, seeds, temperature, sampled, num_valid, top_k, top_p, min_p):
 
 
 def _draw(source, key, num_valid, temperature, top_k, top_p, min_p, vocab_chunk) -> Sample:
+    """The draw: the chunked untruncated path when every truncation setting is off, else
+    the full-logits one. The values decide, not how they arrive: with a traced setting
+    both paths are compiled and ``lax.cond`` picks by the values, so a draw depends only
+    on the key, the rows and the settings' values."""
     temperature, sampled = _row_temperature(temperature, source.rows)
     seeds = jax.random.bits(key, (source.rows, 2), jnp.uint32)
-    off = all(_static(x) for x in (top_k, top_p, min_p)) and not (top_k or top_p < 1 or min_p)
-    if not off:
+
+    def chunked():
+        return _chunked(source, seeds, temperature, sampled, num_valid, vocab_chunk)
+
+    def truncated():
         return _truncated(source.full(), seeds, temperature, sampled, num_valid, top_k, top_p,
                           min_p)
-    return _chunked(source, seeds, temperature, sampled, num_valid, vocab_chunk)
+
+    if all(_static(x) for x in (top_k, top_p, min_p)):
+        return truncated() if (top_k or top_p < 1 or min_p) else chunked()
+    off = ((jnp.asarray(top_k) <= 0) & (jnp.asarray(top_p) >= 1)  # as _threshold reads them
+           & (jnp.asarray(min_p) <= 0))
+    return lax.cond(off, chunked, truncated)
 
 
 def sample(
@@ -354,9 +366,11 @@ def sample(
       top_p: keep the smallest most-likely set whose mass reaches ``top_p`` (ids tied with
         the least likely one kept are kept too); 1: off.
       min_p: keep ids at least ``min_p`` times as likely as the most likely; 0: off.
-        Each of the three is a Python number or a traced scalar: with Python numbers that
-        all say off, the chunked untruncated path runs; otherwise the full-logits one
-        (so one compiled function serves every truncation setting). Only Python numbers
+        Each of the three is a Python number or a traced scalar: when all three say off
+        the chunked untruncated path runs, otherwise the full-logits one. Their values
+        decide, not whether they are traced (a traced setting compiles both paths and
+        picks one at run time, so one compiled function serves every truncation setting
+        and draws what Python numbers of the same values draw). Only Python numbers
         are range-checked (nothing can raise under ``jit``): a traced ``temperature < 0``
         draws greedily, a traced ``top_p <= 0`` keeps the most likely ids, a traced
         ``top_k`` outside ``[1, V]`` is off.

@@ -3,6 +3,7 @@ their log-probs are the head's (``jaxhead.token_logprobs`` with the draw's ``min
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -222,3 +223,37 @@ def test_bad_arguments_raise():
         jaxhead.sample(hidden.astype(jnp.bfloat16), weight, key)
     with pytest.raises(ValueError, match=r"vocab_chunk must be an integer >= 1 .* got 2.0"):
         jaxhead.sample(hidden, weight, key, vocab_chunk=2.0)
+
+
+_traced = jax.jit(lambda h, w, key, top_k, top_p, min_p: jaxhead.sample(
+    h, w, key, top_k=top_k, top_p=top_p, min_p=min_p, vocab_chunk=256))
+
+
+@pytest.mark.parametrize("truncation", TRUNCATIONS, ids=str)
+def test_traced_settings_draw_what_python_numbers_draw(truncation):
+    """Issue 36: with the same key, ``top_p=1.0`` as a Python number and as a traced value
+    took different paths (1.3% of 2,000 rows agreed). The values decide, not the tracing."""
+    hidden, weight, _ = head_inputs(0, 64, 32, 1000, exact_dot=True)
+    key = jax.random.key(1)
+    static = _sample(hidden, weight, key, temperature=1.0, softcap=None, vocab_chunk=256,
+                     **truncation)
+    settings = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, **truncation}
+    traced = _traced(hidden, weight, key, np.int32(settings["top_k"]),
+                     np.float32(settings["top_p"]), np.float32(settings["min_p"]))
+    np.testing.assert_array_equal(traced.tokens, static.tokens)
+    chex.assert_trees_all_close(traced, static, atol=1e-6)
+
+
+def test_a_nan_logit_is_nan_in_the_logprob_with_truncation_too():
+    """Issue 36: a NaN logit with truncation gave a finite log-prob (it fell outside the
+    support); untruncated it was NaN already. Only the row holding it is NaN."""
+    logits = jax.random.normal(jax.random.key(0), (4, 300)).at[1, 7].set(jnp.nan)
+    draw = jax.jit(lambda top_k, top_p, min_p: jaxhead.sample_from_logits(
+        logits, jax.random.key(1), top_k=top_k, top_p=top_p, min_p=min_p))
+    for truncation in TRUNCATIONS:
+        settings = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, **truncation}
+        out = draw(np.int32(settings["top_k"]), np.float32(settings["top_p"]),
+                   np.float32(settings["min_p"]))
+        logp = np.asarray(out.logprobs)
+        assert np.isnan(logp[1]), truncation
+        assert np.isfinite(np.delete(logp, 1)).all(), truncation
