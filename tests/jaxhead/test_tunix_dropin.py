@@ -182,3 +182,44 @@ def test_reference_and_old_policy_logps_equal_tunix(monkeypatch):
         _assert_masked_close(ours[key], theirs[key], mask)
     assert calls[0] == cluster.cluster_config.rollout_config.temperature  # the reference T
 
+
+
+class _LogitsOnly(nnx.Module):
+    """A model the adapter cannot read, as the mock models of Tunix's agentic learner
+    tests: logits only, no hidden states, not registered."""
+
+    def __init__(self):
+        self.bias = nnx.Param(jax.random.normal(jax.random.key(0), (V,)))
+
+    def __call__(self, inputs, positions, cache, attention_mask, **kwargs):
+        del positions, cache, attention_mask, kwargs
+        return jnp.broadcast_to(self.bias[...], (*inputs.shape, V)), None
+
+
+def test_a_model_the_adapter_cannot_read_is_left_to_tunix():
+    """Issue 36: ``drop_in()`` raised ``TypeError`` on such a model (4 of Tunix's agentic
+    learner tests failed). Now that computation is Tunix's, with one warning naming the
+    model and ``register_model``; ``strict=True`` raises."""
+    model = _LogitsOnly()
+    example = _example(model, ppo=False)
+    config = _configs()["grpo"]
+    args = (model, example, config, PAD, EOS)
+    prompt, completion = _unpacked(seed=2)
+    want_loss, want_aux = algo_core.grpo_loss_fn(*args)
+    want_logps = common.compute_per_token_logps(*nnx.split(model), prompt, completion, PAD, EOS)
+    with warnings.catch_warnings(record=True) as caught, jaxhead_tunix.drop_in():
+        warnings.simplefilter("always")
+        loss, aux = function_registry.get_policy_loss_fn("grpo")(*args)
+        got_logps = common.compute_per_token_logps(*nnx.split(model), prompt, completion,
+                                                   PAD, EOS)
+    np.testing.assert_array_equal(loss, want_loss)
+    np.testing.assert_array_equal(aux["kl"], want_aux["kl"])
+    np.testing.assert_array_equal(got_logps, want_logps)
+    ours = [w for w in caught if "drop-in" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert "_LogitsOnly" in str(ours[0].message) and "register_model" in str(ours[0].message)
+    with jaxhead_tunix.drop_in(strict=True), pytest.raises(
+            TypeError, match=r"_LogitsOnly .*register_model"):
+        function_registry.get_policy_loss_fn("grpo")(*args)
+    with pytest.raises(TypeError, match=r"_LogitsOnly .*register_model"):  # outside a block
+        jaxhead_tunix.grpo_loss_fn(*args)

@@ -137,6 +137,11 @@ def _check_params(model, head: TunixHead) -> None:
     )
 
 
+def registered(model) -> bool:
+    """Whether ``model``'s class (or a base) is registered (``register_model``)."""
+    return any(cls in _HEADS for cls in type(model).__mro__)
+
+
 def head_of(model) -> TunixHead:
     """The registered head of ``model`` (its class or the nearest registered base).
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from tunix.rl import algo_core, common, function_registry
 
-from jaxhead.integrations.tunix import logps
+from jaxhead.integrations.tunix import fallback, logps
 
 
 def grpo_loss_fn(model, train_example, algo_config, pad_id, eos_id, **kwargs):
@@ -33,7 +33,8 @@ def grpo_loss_fn(model, train_example, algo_config, pad_id, eos_id, **kwargs):
     gradients and aux against the installed Tunix.
 
     Args:
-      model: the policy (a registered model class), as Tunix's trainer passes it.
+      model: the policy, as Tunix's trainer passes it: a registered model class; inside
+        ``drop_in()`` another one gets Tunix's own loss (``fallback``, one warning).
       train_example: ``tunix.rl.common.TrainExample`` (packed or not).
       algo_config: ``GRPOConfig`` (``temperature`` set by the learner).
       pad_id, eos_id: the tokenizer's ids.
@@ -48,6 +49,9 @@ def grpo_loss_fn(model, train_example, algo_config, pad_id, eos_id, **kwargs):
     Returns:
       ``(loss, aux)``: scalar float32 loss and Tunix's aux dict.
     """
+    if not fallback.readable(model):  # inside the drop-in: Tunix's loss (see fallback)
+        return algo_core.grpo_loss_fn(model, train_example, algo_config, pad_id, eos_id,
+                                      **kwargs)
     del kwargs
     return _grpo(model, train_example, algo_config, pad_id, eos_id, "auto")
 
@@ -152,6 +156,9 @@ def ppo_loss_fn(model, train_example, algo_config, pad_id, eos_id, **kwargs):
     Args / Returns / signature: as ``grpo_loss_fn`` (``algo_config`` a ``PPOConfig``;
     ``tunix.rl.algo_core.ppo_policy_loss_fn``'s signature).
     """
+    if not fallback.readable(model):
+        return algo_core.ppo_policy_loss_fn(model, train_example, algo_config, pad_id, eos_id,
+                                            **kwargs)
     del kwargs
     return _ppo(model, train_example, algo_config, pad_id, eos_id, "auto")
 
@@ -201,6 +208,7 @@ def _ppo(model, train_example, algo_config, pad_id, eos_id, impl):
 
 
 _LOSSES = {"grpo": (grpo_loss_fn, _grpo), "ppo": (ppo_loss_fn, _ppo)}
+_TUNIX_LOSSES = {"grpo": "grpo_loss_fn", "ppo": "ppo_policy_loss_fn"}  # in algo_core
 
 
 def registered_loss(name: str, impl: str = "auto"):
@@ -212,6 +220,9 @@ def registered_loss(name: str, impl: str = "auto"):
         return public
 
     def loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
+        if not fallback.readable(model):
+            return getattr(algo_core, _TUNIX_LOSSES[name])(
+                model, train_example, algo_config, pad_id, eos_id, **kwargs)
         del kwargs
         return body(model, train_example, algo_config, pad_id, eos_id, impl)
 
@@ -222,8 +233,8 @@ def registered_loss(name: str, impl: str = "auto"):
 
 
 @contextlib.contextmanager
-def policy_losses(names: Sequence[str] = ("grpo", "ppo"), *, impl: str = "auto"
-                  ) -> Iterator[None]:
+def policy_losses(names: Sequence[str] = ("grpo", "ppo"), *, impl: str = "auto",
+                  strict: bool = False) -> Iterator[None]:
     """Inside the block, Tunix's policy-loss names resolve to the jaxhead losses.
 
     Why a context manager: Tunix 0.1.7's ``AlgorithmConfig.__post_init__`` accepts only
@@ -246,6 +257,9 @@ def policy_losses(names: Sequence[str] = ("grpo", "ppo"), *, impl: str = "auto"
     Args:
       names: which of ``"grpo"`` and ``"ppo"`` to switch.
       impl: jaxhead implementation the losses use (``"auto"``: by backend).
+      strict: a model the adapter cannot read raises (``TypeError`` /
+        ``NotImplementedError``) instead of getting Tunix's loss with one warning
+        (``jaxhead.integrations.tunix.fallback``).
 
     Raises:
       ValueError: a name other than ``"grpo"`` / ``"ppo"``.
@@ -259,7 +273,8 @@ def policy_losses(names: Sequence[str] = ("grpo", "ppo"), *, impl: str = "auto"
     for name in names:
         function_registry.register_policy_loss_fn(name)(registered_loss(name, impl))
     try:
-        yield
+        with fallback.leave_to_tunix(strict):
+            yield
     finally:
         for name, loss_fn in saved.items():
             function_registry.register_policy_loss_fn(name)(loss_fn)
