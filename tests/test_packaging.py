@@ -41,6 +41,7 @@ def test_the_wheel_holds_the_library_only(tmp_path):
     # the whole library, kernels and the optional adapter included
     sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "jaxhead").rglob("*.py")}
     assert sources <= set(names), sorted(sources - set(names))
+    assert "jaxhead/py.typed" in names  # PEP 561: type checkers read the annotations
     metadata = wheel.read(f"jaxhead-{version}.dist-info/METADATA").decode()
     assert f"\nVersion: {version}\n" in metadata
     assert wheel.filename.endswith(f"jaxhead-{version}-py3-none-any.whl")
@@ -54,3 +55,5 @@ def test_the_version_has_one_source():
     assert attr == "jaxhead.__version__"
     major, minor, patch = jaxhead.__version__.split(".")
     assert all(part.isdigit() for part in (major, minor, patch)), jaxhead.__version__
+    # the changelog has the version's section
+    assert f"\n## [{jaxhead.__version__}]" in (ROOT / "CHANGELOG.md").read_text()
