@@ -52,11 +52,10 @@ def readable(model) -> bool:
         warned = _blocks[-1][1]
         if type(model) not in warned:
             warned.add(type(model))
+            hint = "" if "register_model" in str(err) else " (register_model)"
             warnings.warn(
-                f"jaxhead's Tunix drop-in leaves {heads.model_name(model)} to Tunix's own "
-                f"log-probs (its full [B, T, V] logits): {err}. Register its head with "
-                "jaxhead.integrations.tunix.register_model(cls, head) to run it on jaxhead; "
-                "drop_in(strict=True) raises instead of this warning.",
+                f"{err}{hint}. So jaxhead's Tunix drop-in leaves this model to Tunix's own "
+                "log-probs (its full [B, T, V] logits); drop_in(strict=True) raises instead.",
                 UserWarning, stacklevel=2)
         return False
     return True
