@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from jaxhead._src.head.validation import static_int
+from jaxhead._src.scalars import static_int
 
 DEFAULT_MULTIPLE = 128
 DEFAULT_GROWTH = 1.25
