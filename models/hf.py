@@ -183,6 +183,9 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str) -> dict:
         "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
         "rope_parameters": rope, "tie_word_embeddings": cfg.tie_word_embeddings,
         "use_sliding_window": False, "torch_dtype": torch_dtype,
+        # the oldest transformers with all four architectures (Qwen3 came in 4.51) reads
+        # this layout; without the field transformers 5 warns about the tokenizer's regex
+        "transformers_version": "4.51.0",
     }
     if cfg.rope_scaling is not None:
         hf["rope_scaling"] = cfg.rope_parameters

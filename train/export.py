@@ -26,7 +26,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 
 import models
 from train import resume, setup, state
@@ -140,6 +140,7 @@ def export_run(run, out, *, step: int | None = None, stage: str | None = None,
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)  # orbax's INFO lines
     try:
         out = export_run(_RUN.value, _OUT.value, step=_STEP.value, stage=_STAGE.value,
                          dtype=_DTYPE.value)
