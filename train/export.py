@@ -44,7 +44,7 @@ _DTYPE = flags.DEFINE_enum("dtype", "", ["", "float32", "bfloat16"],
 
 def generation_config(cfg, tokenizer) -> dict:
     """``generation_config.json`` of a run: it stops where the trainer's rollouts stop
-    (``<|im_end|>``, end of text) and samples as they did (``rollout.temperature``,
+    (the end of the assistant turn, end of text) and samples as they did (``rollout.temperature``,
     ``top_p``, ``top_k``, ``min_p``; greedy at temperature 0). ``top_k`` 0 means off, as
     in transformers and vLLM."""
     r = cfg.rollout
@@ -75,7 +75,7 @@ def export_params(cfg, mdef: state.ModelDef, params: state.Params, out, *,
     out = Path(out)
     spec = cfg.tokenizer or cfg.model.hf_checkpoint
     tokenizer = load_tokenizer(spec)
-    ids = {"bos_token_id": None, "eos_token_id": tokenizer.im_end_id,
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.im_end_id,
            "pad_token_id": tokenizer.eos_id}
     by_path = {p: params[state.param_key(p)] for p in mdef.paths}
     models.save_params(by_path, mdef.cfg, out, dtype=dtype or None, metadata=ids)

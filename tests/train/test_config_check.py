@@ -88,7 +88,8 @@ def test_every_config_file_checks_clean():
         if path.name == "__init__.py":
             continue
         problems = config.check(load_config(str(path)))
-        if path.name in ("grpo_qwen3_0p6b.py", "grpo_qwen3_30b_a3b.py"):  # need a checkpoint
+        if path.name in ("grpo_qwen3_0p6b.py", "grpo_qwen3_30b_a3b.py",  # need a checkpoint
+                         "grpo_qwen2p5_1p5b.py"):
             assert len(problems) == 1 and "--config.model.hf_checkpoint=DIR" in problems[0]
         else:
             assert problems == [], (path.name, problems)
