@@ -43,9 +43,10 @@ def test_llama3_tokenizer_writes_meta_chat_format(tmp_path):
     """A checkpoint tokenizer with Llama 3's markers and no ChatML ones: prompts in Meta's
     format (the ids of its chat template, rendered and encoded), turns end with
     ``<|eot_id|>``; one with neither is refused naming both sets."""
-    import jinja2
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    jinja2 = pytest.importorskip("jinja2")  # (torch's dependency)
 
     bpe = tokenizers.Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
