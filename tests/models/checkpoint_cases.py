@@ -181,9 +181,10 @@ def two_process_case() -> dict:
     # and back: each process writes its own shards, gathering one layer at a time
     units = []
 
-    def gather(x, unit, dtype, _gather=hf._gather):
-        units.append(int(np.prod(x.shape[unit is not None:])) * np.dtype(dtype).itemsize)
-        return _gather(x, unit, dtype)
+    def gather(x, unit, dtype, _gather=hf._gather):  # (layer index or None, bytes, of bytes)
+        value = _gather(x, unit, dtype)
+        units.append((unit, value.nbytes, int(np.prod(x.shape)) * value.itemsize))
+        return value
 
     out_dir = Path(os.environ["CHECKPOINTS"]) / "export-2p"
     with mock.patch.object(hf, "_gather", gather):
@@ -203,5 +204,5 @@ def two_process_case() -> dict:
         "embed_held": held["embed_tokens.embedding"],
         "head_reads": [w for k, w, _ in log.reads if k == "lm_head.weight"],
         "head_held": held["lm_head.kernel"],
-        "written": sorted(f.name for f in written), "largest_unit_bytes": max(units),
+        "written": sorted(f.name for f in written), "units": units,
     }
