@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+from absl import flags
 from safetensors import safe_open
 
 from models import get_config
@@ -112,6 +113,12 @@ def test_errors_name_the_run_and_the_model(tmp_path):
     run, _ = write_run(tmp_path, "llama")
     with pytest.raises(FileNotFoundError, match=r"no step 1; its steps: \[3\]"):
         export.export_run(run, tmp_path / "hf", step=1)
+    flags.FLAGS(["export", f"--run={run}", f"--out={tmp_path / 'hf'}", "--step=1"])
+    try:  # the command: one line, no traceback
+        with pytest.raises(SystemExit, match=r"^error: .*/llama/grpo has no step 1; its steps"):
+            export.main(["export"])
+    finally:
+        flags.FLAGS.unparse_flags()
     with pytest.raises(FileNotFoundError, match=r"directory '.*/llama/sft' does not exist"):
         export.export_run(run, tmp_path / "hf", stage="sft")
     with pytest.raises(FileNotFoundError, match=r"has no checkpoint \(no grpo/ or sft/"):
