@@ -267,10 +267,12 @@ def _qwen_files(name: str, out: Path, system: str) -> None:
 
 def save_tokenizer(spec: str, out, *, system: str = "") -> list[str]:
     """Write the tokenizer ``spec`` (as ``load_tokenizer`` takes it) as Hugging Face
-    tokenizer files in ``out``: for ``"qwen:<name>"`` a ``tokenizer.json`` equivalent to
-    ``qwen_bpe(name)`` (same ids for every text) and a ``tokenizer_config.json`` with the
-    trainer's ChatML template (``system``: its default system turn, the run's
-    ``data.system_prompt``); for a directory, copies of its ``TOKENIZER_FILES``.
+    tokenizer files in ``out``: for ``"qwen:<name>"`` a ``tokenizer.json`` of
+    ``qwen_bpe(name)``'s rank table, split pattern and NFC normalisation (the same ids,
+    except that special-token text becomes its special id there, plain text in
+    ``encode``) and a ``tokenizer_config.json`` with the trainer's ChatML template
+    (``system``: its default system turn, the run's ``data.system_prompt``); for a
+    directory, copies of its ``TOKENIZER_FILES``.
 
     Returns:
       The names of the files written.
