@@ -14,7 +14,7 @@ from flax import nnx
 from safetensors import numpy as safetensors_numpy
 
 import jaxhead
-from models import CheckpointError, load_model, save_model
+from models import CheckpointError, load_config, load_model, save_model
 from models.hf import hf_tensors
 from tests.support.models import causal_inputs, hf_logits, hf_model, random_tokens
 
@@ -195,6 +195,21 @@ def test_bad_checkpoints_raise_with_key_and_shapes(checkpoint, tmp_path, edit, m
     bad = edit_checkpoint(path, tmp_path / "bad", **edit)
     with pytest.raises(CheckpointError, match=message):
         load_model(bad, dtype="float32")
+
+
+def test_reads_the_rope_layout_of_transformers_4(checkpoint, tmp_path):
+    """A Llama 3.x ``config.json`` as published (transformers 4: ``rope_scaling`` without
+    the theta, ``rope_theta`` at the top level) reads as the transformers 5 layout does."""
+    _, path = checkpoint("llama-untied")
+    hf_config = json.loads((path / "config.json").read_text())
+    rope = hf_config.pop("rope_parameters")
+    hf_config.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope)
+    legacy = edit_checkpoint(path, tmp_path / "legacy")
+    (legacy / "config.json").write_text(json.dumps(hf_config))
+    cfg = load_config(legacy)
+    assert cfg == load_config(path)
+    assert cfg.rope_parameters == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 
 def test_moe_expert_count_mismatch_names_the_tensors(checkpoint, tmp_path):
