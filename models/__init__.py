@@ -1,4 +1,5 @@
-"""Qwen3 / Qwen3-MoE decoders in Flax NNX whose LM head is jaxhead.
+"""Qwen3 / Qwen3-MoE, Qwen2 / Qwen2.5 and Llama 3 decoders in Flax NNX whose LM head is
+jaxhead.
 
 Public API:
   ModelConfig, PRESETS, get_config   architecture + dtype policy, named presets
@@ -9,6 +10,8 @@ Public API:
   KVCache, init_cache                fixed-size cache for prefill + decode steps
   load_model, save_model, load_config, CheckpointError   HF safetensors import / export
   load_params                        HF parameters read per process in a mesh layout
+  save_params                        HF export of parameters in any layout, each process
+                                     writing its own shards
   logical_axes, logical_partition_specs                   parameter logical axis names
   DEFAULT_RULES, state_shardings, init_sharded, jit_sharded
                                      placement on a models.mesh mesh (models.sharding);
@@ -17,7 +20,14 @@ Public API:
 
 from models.cache import KVCache, init_cache
 from models.config import PRESETS, ModelConfig, get_config
-from models.hf import CheckpointError, load_config, load_model, load_params, save_model
+from models.hf import (
+    CheckpointError,
+    load_config,
+    load_model,
+    load_params,
+    save_model,
+    save_params,
+)
 from models.mesh import BATCH_AXES, MeshConfig, make_mesh
 from models.sharding import (
     DEFAULT_RULES,
@@ -51,5 +61,6 @@ __all__ = [
     "logical_partition_specs",
     "make_mesh",
     "save_model",
+    "save_params",
     "state_shardings",
 ]

@@ -1,7 +1,9 @@
-"""``ModelConfig``: the architecture and dtype policy of a Qwen3 / Qwen3-MoE decoder, and presets.
+"""``ModelConfig``: the architecture and dtype policy of a Qwen3 / Qwen3-MoE, Qwen2 /
+Qwen2.5 or Llama 3 decoder, and presets.
 
 Field names follow the Hugging Face ``Qwen3Config`` / ``Qwen3MoeConfig`` ones, so a
-``config.json`` maps onto them one to one (see ``models.hf``).
+``config.json`` maps onto them one to one (see ``models.hf``); the families differ by
+three flags: ``qk_norm`` (Qwen3), ``qkv_bias`` (Qwen2) and ``rope_scaling`` (Llama 3).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from models.sharding import DEFAULT_RULES, normalize_rules
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture and dtype policy of a Qwen3 (dense) or Qwen3-MoE decoder.
+    """Architecture and dtype policy of a Qwen3 (dense), Qwen3-MoE, Qwen2 / Qwen2.5 or
+    Llama 3 decoder.
 
     Architecture (Hugging Face names): ``vocab_size`` V, ``hidden_size`` H,
     ``intermediate_size`` (dense SwiGLU width), ``num_hidden_layers``,
@@ -24,6 +27,14 @@ class ModelConfig:
     ``head_dim`` D (even, for RoPE), ``rope_theta``, ``rms_norm_eps``,
     ``tie_word_embeddings``, ``max_position_embeddings`` (informational: nothing is
     precomputed up to it).
+
+    Family flags: ``qk_norm`` (per-head RMSNorm of queries and keys before RoPE: Qwen3;
+    False: Qwen2, Llama), ``qkv_bias`` (biases on the query, key and value projections,
+    none on the output one: Qwen2 / Qwen2.5), ``rope_scaling`` (None: plain RoPE;
+    ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}``: Llama 3.1's frequency-dependent scaling, as
+    ``transformers``' ``_compute_llama3_parameters``; stored as a sorted tuple of
+    ``(name, value)`` pairs, hashable, read back by ``rope_parameters``).
 
     Mixture of experts (all ignored when ``num_experts == 0``, the dense Qwen3):
     ``num_experts`` E, ``num_experts_per_tok`` (top-k), ``moe_intermediate_size``,
@@ -101,7 +112,8 @@ class ModelConfig:
     Raises:
       ValueError: inconsistent sizes (heads not divisible, odd head_dim, top-k larger than
         the number of experts, non-positive sizes, an unknown dtype or remat policy,
-        ``scan_layers`` over mixed dense / MoE layers, ...).
+        ``scan_layers`` over mixed dense / MoE layers, a ``rope_scaling`` of another type
+        than ``"llama3"`` or missing one of its keys, ...).
     """
 
     vocab_size: int
@@ -123,6 +135,9 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
     final_logit_softcapping: float | None = None
+    qk_norm: bool = True
+    qkv_bias: bool = False
+    rope_scaling: tuple[tuple[str, str | float | int], ...] | None = None
     remat: bool = False
     remat_policy: str = "nothing_saved"
     scan_layers: bool = False
@@ -144,6 +159,7 @@ class ModelConfig:
             set_(self, name, value)
         set_(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
         set_(self, "sharding_rules", normalize_rules(self.sharding_rules))
+        set_(self, "rope_scaling", _rope_scaling(self.rope_scaling))
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "head_dim", "decoder_sparse_step")
         for name in positive:
@@ -182,6 +198,11 @@ class ModelConfig:
             raise ValueError(f"final_logit_softcapping must be > 0 or None, got {cap}")
 
     @property
+    def rope_parameters(self) -> dict | None:
+        """``rope_scaling`` as a dict (None without scaling)."""
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+    @property
     def is_moe(self) -> bool:
         """Whether any layer has a sparse MoE block (Qwen3-MoE)."""
         return any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
@@ -197,6 +218,40 @@ class ModelConfig:
     def replace(self, **changes) -> ModelConfig:
         """A copy with ``changes`` applied (and validated)."""
         return dataclasses.replace(self, **changes)
+
+
+#: The keys of a ``"llama3"`` ``rope_scaling`` besides ``rope_type``.
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings")
+
+
+def _rope_scaling(value) -> tuple[tuple[str, str | float | int], ...] | None:
+    """``ModelConfig.rope_scaling`` normalised: None, or sorted ``(name, value)`` pairs of
+    a complete ``"llama3"`` scaling (factors as floats, the original length an int)."""
+    if value is None:
+        return None
+    items = dict(value)
+    if items.get("rope_type") != "llama3":
+        raise ValueError(f"rope_scaling: only rope_type 'llama3' is supported, got "
+                         f"{items.get('rope_type')!r}")
+    missing = [k for k in LLAMA3_ROPE_KEYS if k not in items]
+    extra = sorted(set(items) - {"rope_type", *LLAMA3_ROPE_KEYS})
+    if missing or extra:
+        raise ValueError(f"rope_scaling of type 'llama3' needs exactly the keys "
+                         f"{LLAMA3_ROPE_KEYS}; missing {missing}, unknown {extra}")
+    for key in LLAMA3_ROPE_KEYS:
+        if not float(items[key]) > 0:
+            raise ValueError(f"rope_scaling {key} must be > 0, got {items[key]!r}")
+        items[key] = float(items[key])
+    original = items["original_max_position_embeddings"]
+    if original != int(original):
+        raise ValueError(f"rope_scaling original_max_position_embeddings must be an integer, "
+                         f"got {original}")
+    items["original_max_position_embeddings"] = int(original)
+    if items["high_freq_factor"] <= items["low_freq_factor"]:
+        raise ValueError(f"rope_scaling high_freq_factor={items['high_freq_factor']} must be "
+                         f"> low_freq_factor={items['low_freq_factor']}")
+    return tuple(sorted(items.items()))
 
 
 _QWEN3_COMMON = {"vocab_size": 151936, "head_dim": 128, "rope_theta": 1_000_000.0,
@@ -218,6 +273,24 @@ PRESETS: dict[str, ModelConfig] = {
         num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False,
         num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
         norm_topk_prob=True, scan_layers=True,
+    ),
+    # Qwen2 architecture (q/k/v biases, no q/k norm): Qwen2.5-1.5B(-Instruct); its Math
+    # variant differs by rope_theta=10_000 and max_position_embeddings=4096
+    "qwen2.5-1.5b": ModelConfig(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+        num_attention_heads=12, num_key_value_heads=2, head_dim=128, rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=32768,
+        qk_norm=False, qkv_bias=True, scan_layers=True,
+    ),
+    # Llama 3 architecture (llama3 RoPE scaling, no biases, no q/k norm): Llama-3.2-1B
+    "llama-3.2-1b": ModelConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500_000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=131072,
+        qk_norm=False, rope_scaling={"rope_type": "llama3", "factor": 32.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 8192},
+        scan_layers=True,
     ),
     "tiny": ModelConfig(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

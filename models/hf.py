@@ -1,15 +1,21 @@
-"""Hugging Face checkpoints: load a local ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``
+"""Hugging Face checkpoints: load a local ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` /
+``Qwen2ForCausalLM`` (Qwen2, Qwen2.5 and their derivatives) / ``LlamaForCausalLM`` (Llama 3)
 directory into a ``Transformer`` and export one back (``config.json`` + safetensors).
 
 Tensor layout: HF linear weights are ``[out, in]``; ours are ``[in..., out...]`` with the
 head dimensions split (``q_proj`` ``[H, N, D]``, ``o_proj`` ``[N, D, H]``) and MoE
 experts stacked on a leading ``[E]`` axis (HF stores ``mlp.experts.{e}.*`` per expert).
 With ``ModelConfig.scan_layers`` the layers are stacked too, on a leading ``[L]`` axis
-before the expert one (HF stores ``model.layers.{i}.*`` per layer).
+before the expert one (HF stores ``model.layers.{i}.*`` per layer). Qwen2's q/k/v biases
+are ``[N, D]`` / ``[K, D]`` here, flat ``[N*D]`` / ``[K*D]`` in the files.
 
 Import on a mesh (``load_params`` with shardings, ``load_model(mesh=...)``): each process
 reads from the files only the slices of the parameters its own devices hold
 (``safe_open(...).get_slice``), mapped through those transposes and stackings.
+
+Export from a mesh (``save_params``): the files are split into shards and shard ``s`` is
+written by process ``s % process_count``; see ``save_params`` for what moves between the
+processes.
 """
 
 from __future__ import annotations
@@ -29,12 +35,13 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models.config import ModelConfig
+from models.config import LLAMA3_ROPE_KEYS, ModelConfig
 from models.sharding import state_shardings
 from models.transformer import Transformer
 
 #: Supported ``architectures[0]`` of ``config.json`` and their ``model_type``.
-ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                 "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -43,11 +50,32 @@ class CheckpointError(ValueError):
     unexpected or mis-shaped tensor (the message names the key and both shapes)."""
 
 
-def config_from_hf(hf: dict, *, dtype="bfloat16", param_dtype="float32") -> ModelConfig:
-    """``ModelConfig`` from the dict of a Qwen3 / Qwen3-MoE ``config.json``.
+def _rope(hf: dict, arch: str) -> tuple[float, tuple | None]:
+    """``(rope_theta, rope_scaling)`` of a ``config.json``: ``rope_parameters``
+    (transformers >= 5) or the older ``rope_scaling`` + top-level ``rope_theta``."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise CheckpointError(f"{arch}: unsupported setting rope_type={rope_type!r}")
+    scaling = {k: rope.get(k) for k in LLAMA3_ROPE_KEYS}
+    if scaling["original_max_position_embeddings"] is None:  # transformers' fallback
+        scaling["original_max_position_embeddings"] = hf.get("max_position_embeddings")
+    missing = [k for k, v in scaling.items() if v is None]
+    if missing:
+        raise CheckpointError(f"{arch}: rope_type 'llama3' without {missing}")
+    return theta, {"rope_type": "llama3", **scaling}
 
-    Reads ``rope_theta`` from ``rope_parameters`` (transformers >= 5) or the top level,
-    and ``num_experts`` or ``num_local_experts``.
+
+def config_from_hf(hf: dict, *, dtype="bfloat16", param_dtype="float32") -> ModelConfig:
+    """``ModelConfig`` from the dict of a Qwen3 / Qwen3-MoE / Qwen2 / Llama ``config.json``.
+
+    Reads ``rope_theta`` and the RoPE type from ``rope_parameters`` (transformers >= 5) or
+    ``rope_scaling`` and the top level, and ``num_experts`` or ``num_local_experts``.
+    Qwen3: q/k norm, no biases; Qwen2: q/k/v biases, no q/k norm; Llama: neither, RoPE
+    plain or ``"llama3"``-scaled.
 
     Args:
       hf: the parsed ``config.json``.
@@ -55,8 +83,8 @@ def config_from_hf(hf: dict, *, dtype="bfloat16", param_dtype="float32") -> Mode
 
     Raises:
       CheckpointError: an architecture other than ``ARCHITECTURES``, or a feature the
-        decoder does not implement (attention bias, sliding window, non-default RoPE
-        scaling, an activation other than SiLU).
+        decoder does not implement (an output-projection / MLP bias, sliding window, a RoPE
+        type other than default or ``llama3``, an activation other than SiLU).
     """
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
@@ -65,18 +93,19 @@ def config_from_hf(hf: dict, *, dtype="bfloat16", param_dtype="float32") -> Mode
             f"unsupported architecture {arch!r} (model_type {hf.get('model_type')!r}); "
             f"supported: {', '.join(f'{a} ({t})' for a, t in ARCHITECTURES.items())}"
         )
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
     unsupported = {
-        "attention_bias": hf.get("attention_bias", False),
+        # Qwen2 hard-codes q/k/v biases (and none on o_proj); elsewhere the flag means all four
+        "attention_bias": arch != "Qwen2ForCausalLM" and hf.get("attention_bias", False),
+        "mlp_bias": hf.get("mlp_bias", False),
         "use_sliding_window": hf.get("use_sliding_window", False),
-        "rope_type": rope_type != "default" and rope_type,
         "hidden_act": hf.get("hidden_act", "silu") != "silu" and hf["hidden_act"],
     }
     for name, value in unsupported.items():
         if value:
             raise CheckpointError(f"{arch}: unsupported setting {name}={value!r}")
+    theta, scaling = _rope(hf, arch)
     heads = hf["num_attention_heads"]
+    qwen3 = arch.startswith("Qwen3")
     fields = {
         "vocab_size": hf["vocab_size"],
         "hidden_size": hf["hidden_size"],
@@ -85,10 +114,13 @@ def config_from_hf(hf: dict, *, dtype="bfloat16", param_dtype="float32") -> Mode
         "num_attention_heads": heads,
         "num_key_value_heads": hf.get("num_key_value_heads") or heads,
         "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
-        "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
         "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
         "tie_word_embeddings": hf.get("tie_word_embeddings", False),
         "max_position_embeddings": hf.get("max_position_embeddings", 40960),
+        "qk_norm": qwen3,
+        "qkv_bias": arch == "Qwen2ForCausalLM",
         "dtype": dtype,
         "param_dtype": param_dtype,
     }
@@ -102,20 +134,46 @@ def config_from_hf(hf: dict, *, dtype="bfloat16", param_dtype="float32") -> Mode
             mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
             router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
         )
-    return ModelConfig(**fields)
+    try:
+        return ModelConfig(**fields)
+    except ValueError as err:
+        raise CheckpointError(f"{arch}: {err}") from err
+
+
+def architecture(cfg: ModelConfig) -> str:
+    """The HF architecture ``cfg`` exports as: q/k norm without biases is Qwen3 (MoE when
+    it has experts), q/k/v biases without q/k norm Qwen2, neither Llama.
+
+    Raises:
+      CheckpointError: a combination no HF architecture has (q/k norm and biases, or
+        experts without the q/k norm of Qwen3-MoE), or a final-logit soft-cap (none of
+        these families has one: the export would not reproduce the model).
+    """
+    if cfg.final_logit_softcapping is not None:
+        raise CheckpointError("Qwen / Llama checkpoints have no final-logit soft-cap; cannot "
+                              f"export final_logit_softcapping={cfg.final_logit_softcapping}")
+    if cfg.qk_norm and not cfg.qkv_bias:
+        return "Qwen3MoeForCausalLM" if cfg.num_experts else "Qwen3ForCausalLM"
+    if not cfg.num_experts and cfg.qkv_bias and not cfg.qk_norm:
+        return "Qwen2ForCausalLM"
+    if not cfg.num_experts and not cfg.qkv_bias and not cfg.qk_norm:
+        return "LlamaForCausalLM"
+    raise CheckpointError(f"no Hugging Face architecture has qk_norm={cfg.qk_norm}, "
+                          f"qkv_bias={cfg.qkv_bias}, num_experts={cfg.num_experts}")
 
 
 def config_to_hf(cfg: ModelConfig, torch_dtype: str) -> dict:
-    """The ``config.json`` dict transformers reads for ``cfg``.
+    """The ``config.json`` dict transformers reads for ``cfg`` (architecture by
+    ``architecture``; RoPE as ``rope_parameters`` and, for readers older than
+    transformers 5, ``rope_theta`` / ``rope_scaling``).
 
     Raises:
-      CheckpointError: ``cfg.final_logit_softcapping`` is set (Qwen3 has no soft-cap: the
-        export would not reproduce the model).
+      CheckpointError: see ``architecture``.
     """
-    if cfg.final_logit_softcapping is not None:
-        raise CheckpointError("Qwen3 checkpoints have no final-logit soft-cap; cannot export "
-                              f"final_logit_softcapping={cfg.final_logit_softcapping}")
-    arch = "Qwen3MoeForCausalLM" if cfg.num_experts else "Qwen3ForCausalLM"
+    arch = architecture(cfg)
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        rope = {**cfg.rope_parameters, "rope_theta": cfg.rope_theta}
     hf = {
         "architectures": [arch], "model_type": ARCHITECTURES[arch], "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -123,10 +181,18 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str) -> dict:
         "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
         "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": False,
+        "rope_parameters": rope, "tie_word_embeddings": cfg.tie_word_embeddings,
         "use_sliding_window": False, "torch_dtype": torch_dtype,
+        # the oldest transformers with all four architectures (Qwen3 came in 4.51) reads
+        # this layout; without the field transformers 5 warns about the tokenizer's regex
+        "transformers_version": "4.51.0",
     }
+    if cfg.rope_scaling is not None:
+        hf["rope_scaling"] = cfg.rope_parameters
+    if arch != "Qwen2ForCausalLM":
+        hf["attention_bias"] = False
+    if arch == "LlamaForCausalLM":
+        hf["mlp_bias"] = False
     if cfg.num_experts:
         hf.update(
             num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
@@ -169,14 +235,18 @@ class _Tensor:
     """How one of our parameters is stored: HF key(s), and for kernels how many axes of
     ours (after the stacked ones) are input axes (HF stores ``[prod(out), prod(in)]``).
     Several keys are stacked on our ``lead`` leading axes (layers and / or experts), in
-    row-major order of those axes."""
+    row-major order of those axes. ``flat``: stored as one vector (a bias ``[N, D]`` as
+    ``[N*D]``)."""
 
     keys: tuple[str, ...]
     n_in: int | None = None
     lead: int = 0
+    flat: bool = False
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         inner = shape[self.lead:]
+        if self.flat:
+            return (math.prod(inner),)
         if self.n_in is None:
             return tuple(inner)
         return (math.prod(inner[self.n_in:]), math.prod(inner[:self.n_in]))
@@ -199,6 +269,10 @@ class _Tensor:
                 for pos in itertools.product(*outer)]
         parts = []
         for key in keys:
+            if self.flat:
+                block = np.concatenate([get(key, (r,)) for r in _runs(within, inner)])
+                parts.append(block.reshape([len(r) for r in within]))
+                continue
             if self.n_in is None:
                 parts.append(get(key, tuple(slice(r.start, r.stop) for r in within)))
                 continue
@@ -211,7 +285,9 @@ class _Tensor:
 
     def to_hf(self, value: np.ndarray) -> list[np.ndarray]:
         parts = list(value.reshape(-1, *value.shape[self.lead:])) if self.lead else [value]
-        if self.n_in is not None:
+        if self.flat:
+            parts = [p.reshape(-1) for p in parts]
+        elif self.n_in is not None:
             parts = [p.reshape(math.prod(p.shape[:self.n_in]), -1).T for p in parts]
         return [np.ascontiguousarray(p) for p in parts]
 
@@ -225,8 +301,11 @@ def _layer_tensors(cfg: ModelConfig, i: int) -> dict[tuple, _Tensor]:
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
         n_in = 2 if proj == "o_proj" else 1
         out[("self_attn", proj)] = _Tensor((f"{pre}self_attn.{proj}.weight",), n_in=n_in)
-    for norm in ("q_norm", "k_norm"):
+    for norm in ("q_norm", "k_norm") if cfg.qk_norm else ():
         out[("self_attn", norm, "scale")] = _Tensor((f"{pre}self_attn.{norm}.weight",))
+    for proj in ("q", "k", "v") if cfg.qkv_bias else ():
+        out[("self_attn", f"{proj}_bias")] = _Tensor((f"{pre}self_attn.{proj}_proj.bias",),
+                                                     flat=True)
     for proj in ("gate_proj", "up_proj", "down_proj"):
         if cfg.is_moe_layer(i):
             keys = tuple(f"{pre}mlp.experts.{e}.{proj}.weight" for e in range(cfg.num_experts))
@@ -253,7 +332,7 @@ def _tensor_map(cfg: ModelConfig) -> dict[tuple, _Tensor]:
         return out
     for path, first in layers[0].items():  # identical layers (checked by ModelConfig)
         keys = tuple(key for layer in layers for key in layer[path].keys)
-        out[("layers", *path)] = _Tensor(keys, first.n_in, first.lead + 1)
+        out[("layers", *path)] = _Tensor(keys, first.n_in, first.lead + 1, first.flat)
     return out
 
 
@@ -452,43 +531,140 @@ def hf_tensors(cfg: ModelConfig, params: nnx.State, dtype=None) -> dict[str, np.
     return out
 
 
-def save_model(model: Transformer, path, *, dtype=None, max_shard_bytes: int = 5 * 2**30):
-    """Export ``model`` as a HF checkpoint directory transformers can load.
+def _units(cfg: ModelConfig, path: tuple, shape: tuple[int, ...]) -> list[int | None]:
+    """What ``save_params`` moves between processes at a time for parameter ``path``: one
+    layer (index into the leading ``[L]`` axis) of a stacked parameter, else the whole
+    parameter (None)."""
+    return list(range(shape[0])) if cfg.scan_layers and path[0] == "layers" else [None]
 
-    Writes ``config.json`` and ``model.safetensors``, or, above ``max_shard_bytes``,
+
+def _gather(x: jax.Array, unit: int | None, dtype) -> np.ndarray:
+    """``x[unit]`` (or all of ``x``) cast to ``dtype``, whole on this host. An array this
+    process holds whole is read from its own shards; otherwise every process must call
+    this (a collective): one jitted slice with a replicated output, the slice's
+    all-reduce / all-gather moving only that slice (a static index: a traced one would
+    gather the whole stacked array first)."""
+    if x.is_fully_addressable or x.sharding.is_fully_replicated:
+        value = x if x.is_fully_addressable else x.addressable_data(0)
+        value = np.asarray(value if unit is None else value[unit])
+        return value.astype(dtype)
+    replicated = jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec())
+    take = jax.jit(lambda a: (a if unit is None else a[unit]).astype(dtype),
+                   out_shardings=replicated)
+    return np.asarray(take(x).addressable_data(0))
+
+
+def save_params(params: dict[tuple, jax.Array], cfg: ModelConfig, path, *, dtype=None,
+                max_shard_bytes: int = 5 * 2**30, metadata: dict | None = None) -> list[Path]:
+    """Write ``params`` as a HF checkpoint directory transformers (and vLLM) can load:
+    ``config.json`` and ``model.safetensors``, or, above ``max_shard_bytes``,
     ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``.
+
+    On several processes (a mesh spanning hosts) every process must call it with the
+    same arguments: the shards are planned from the shapes alone, identically everywhere,
+    and shard ``s`` is written by process ``s % jax.process_count()``. A parameter a
+    process does not hold whole travels one unit at a time (one layer of a stacked
+    ``[L, ...]`` parameter, else the whole parameter, e.g. the embedding): a jitted slice
+    replicated to every device (the collective all processes join), kept by the process
+    whose shard the unit's tensors fall in. So no host ever holds more than one unit plus
+    the shard it is filling (<= ``max_shard_bytes``), never the whole model; the cost is
+    network traffic: every unit reaches every host. Process 0 writes ``config.json`` and
+    the index after a barrier, when every shard is on disk (``path`` must be one
+    directory every process sees, e.g. a shared file system).
+
+    Args:
+      params: parameter path (as in ``nnx.to_flat_state``) -> array of the model of
+        ``cfg``, in any sharding (e.g. the trainer's).
+      cfg: the model's config.
+      path: output directory (created if missing; existing files are overwritten).
+      dtype: tensor dtype in the files (float32 or bfloat16); default ``cfg.param_dtype``.
+      max_shard_bytes: shard size limit (a tensor is never split).
+      metadata: more ``config.json`` fields (e.g. ``bos_token_id`` / ``eos_token_id``).
+
+    Returns:
+      The files this process wrote.
+
+    Raises:
+      CheckpointError: a config no HF architecture expresses (see ``architecture``).
+      KeyError: ``params`` lacks a parameter of the model (its path named).
+    """
+    dtype = jnp.dtype(cfg.param_dtype if dtype is None else dtype)
+    hf_config = {**config_to_hf(cfg, str(dtype)), **(metadata or {})}
+    path = Path(path)
+    tensors = _tensor_map(cfg)
+    missing = sorted(set(tensors) - set(params), key=str)
+    if missing:
+        raise KeyError(f"no value for parameter {'/'.join(map(str, missing[0]))}")
+    # the plan: (param path, unit, its HF keys and their bytes), then shards of whole tensors
+    plan = []
+    for p, t in tensors.items():
+        shape = tuple(params[p].shape)
+        units = _units(cfg, p, shape)
+        per_unit = len(t.keys) // len(units)
+        nbytes = math.prod(t.hf_shape(shape)) * dtype.itemsize
+        for u, unit in enumerate(units):
+            plan.append((p, unit, t.keys[u * per_unit:(u + 1) * per_unit], nbytes))
+    shard_of, sizes = {}, [0]
+    for _, _, keys, nbytes in plan:
+        for key in keys:
+            if sizes[-1] and sizes[-1] + nbytes > max_shard_bytes:
+                sizes.append(0)
+            shard_of[key] = len(sizes) - 1
+            sizes[-1] += nbytes
+    n, me, count = len(sizes), jax.process_index(), jax.process_count()
+    names = (["model.safetensors"] if n == 1 else
+             [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)])
+    left = [sum(1 for s in shard_of.values() if s == i) for i in range(n)]
+    pending: dict[int, dict[str, np.ndarray]] = {}
+    written = []
+    path.mkdir(parents=True, exist_ok=True)
+    for p, unit, keys, _ in plan:
+        if all(shard_of[k] % count != me for k in keys) and (
+                params[p].is_fully_addressable or params[p].sharding.is_fully_replicated):
+            for key in keys:
+                left[shard_of[key]] -= 1
+            continue  # not this process's, and no collective to join
+        t = tensors[p]
+        value = _gather(params[p], unit, dtype)
+        lead = t.lead - (unit is not None)
+        parts = _Tensor(keys, t.n_in, lead, t.flat).to_hf(value)
+        for key, part in zip(keys, parts, strict=True):
+            shard = shard_of[key]
+            left[shard] -= 1
+            if shard % count == me:
+                pending.setdefault(shard, {})[key] = part
+            if not left[shard] and shard in pending:
+                save_file(pending.pop(shard), path / names[shard], metadata={"format": "pt"})
+                written.append(path / names[shard])
+    if count > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"save_params {path}")
+    if me == 0:
+        if n > 1:
+            total = sum(sizes)
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {k: names[s] for k, s in shard_of.items()}}
+            (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        (path / "config.json").write_text(json.dumps(hf_config, indent=2))
+    return written
+
+
+def save_model(model: Transformer, path, *, dtype=None, max_shard_bytes: int = 5 * 2**30,
+               metadata: dict | None = None) -> list[Path]:
+    """Export ``model`` as a HF checkpoint directory transformers can load
+    (``save_params`` of its parameters; every process calls it when they span several).
 
     Args:
       model: the ``Transformer``.
-      path: output directory (created if missing; existing files are overwritten).
-      dtype: tensor dtype in the files (float32 or bfloat16); default the param dtype.
-      max_shard_bytes: shard size limit (a tensor is never split).
+      path, dtype, max_shard_bytes, metadata: see ``save_params``.
+
+    Returns:
+      The safetensors files this process wrote.
 
     Raises:
-      CheckpointError: a config transformers cannot express (see ``config_to_hf``).
+      CheckpointError: a config no HF architecture expresses (see ``architecture``).
     """
-    cfg = model.cfg
-    dtype = jnp.dtype(cfg.param_dtype if dtype is None else dtype)
-    hf_config = config_to_hf(cfg, str(dtype))
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    arrays = hf_tensors(cfg, nnx.state(model, nnx.Param), dtype)
-    shards, size = [{}], 0
-    for key, value in arrays.items():
-        if shards[-1] and size + value.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = value
-        size += value.nbytes
-    if len(shards) == 1:
-        save_file(shards[0], path / "model.safetensors", metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, path / name, metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, name))
-        total = sum(a.nbytes for a in arrays.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
-    (path / "config.json").write_text(json.dumps(hf_config, indent=2))
+    params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    return save_params({p: v[...] for p, v in params.items()}, model.cfg, path, dtype=dtype,
+                       max_shard_bytes=max_shard_bytes, metadata=metadata)

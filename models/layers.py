@@ -68,22 +68,44 @@ class RMSNorm(nnx.Module):
         return (x32 * inv * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding, "rotate half" layout (as Qwen3 / Llama checkpoints).
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> jax.Array:
+    """The ``D/2`` RoPE inverse frequencies ``theta**(-2i/D)``, float32, with Llama 3.1's
+    scaling when ``scaling`` is a ``"llama3"`` dict (``ModelConfig.rope_parameters``):
+    wavelengths ``2 pi / f`` above ``original_max_position_embeddings / low_freq_factor``
+    are divided by ``factor``, those below ``original / high_freq_factor`` kept, and the
+    ones between interpolated with ``s = (original / wavelength - low) / (high - low)``:
+    ``(1 - s) f / factor + s f`` (Meta's Llama 3.1 reference code; transformers'
+    ``_compute_llama3_parameters``)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return jnp.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
-    Dimension pairs ``(i, i + D/2)`` rotate by ``positions * theta**(-2i/D)``; angles,
-    sin and cos are computed in float32.
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float,
+               scaling: dict | None = None) -> jax.Array:
+    """Rotary position embedding, "rotate half" layout (as Qwen / Llama checkpoints).
+
+    Dimension pairs ``(i, i + D/2)`` rotate by ``positions * f_i``, ``f`` the inverse
+    frequencies of ``rope_frequencies(D, theta, scaling)``; angles, sin and cos are
+    computed in float32.
 
     Args:
       x: ``[B, T, heads, D]``, D even.
       positions: int ``[B, T]`` position of each token within its own sequence.
       theta: RoPE base (``rope_theta`` of the checkpoint).
+      scaling: None, or the ``"llama3"`` scaling dict (``ModelConfig.rope_parameters``).
 
     Returns:
       ``[B, T, heads, D]`` in the dtype of ``x``.
     """
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, 2 * half, 2, dtype=jnp.float32) / (2 * half)))
+    inv_freq = rope_frequencies(x.shape[-1], theta, scaling)
     angles = positions.astype(jnp.float32)[..., None, None] * inv_freq
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)

@@ -1,5 +1,6 @@
-"""``Transformer``: the Qwen3 / Qwen3-MoE decoder. It returns final-normed hidden states;
-the LM head is ``jaxhead.LMHead`` (float32 log-probs and entropy of kept tokens)."""
+"""``Transformer``: the Qwen3 / Qwen3-MoE decoder, and by ``ModelConfig`` flags the Qwen2 and
+Llama 3 ones. It returns final-normed hidden states; the LM head is ``jaxhead.LMHead``
+(float32 log-probs and entropy of kept tokens)."""
 
 from __future__ import annotations
 
@@ -136,7 +137,8 @@ def _call_layer(layer: DecoderLayer, x, positions, segment_ids):
 
 
 class Transformer(nnx.Module):
-    """Qwen3 (dense) / Qwen3-MoE decoder with a jaxhead LM head.
+    """Qwen3 (dense) / Qwen3-MoE decoder with a jaxhead LM head (Qwen2 and Llama 3 by the
+    config's ``qk_norm`` / ``qkv_bias`` / ``rope_scaling``).
 
     Attributes (parameter tree, Hugging Face-like names): ``embed_tokens`` (``nnx.Embed``
     ``[V, H]``), ``layers[i]`` (``DecoderLayer``; with ``cfg.scan_layers`` one

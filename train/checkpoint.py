@@ -37,6 +37,10 @@ class Checkpointer:
         """The step of the latest complete checkpoint, or None."""
         return self._manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        """The steps of every complete checkpoint, ascending."""
+        return sorted(self._manager.all_steps())
+
     def has_item(self, step: int, name: str) -> bool:
         """Whether the checkpoint of ``step`` holds the item ``name`` (e.g. ``opt_state``;
         orbax writes each item of a step into its own subdirectory)."""

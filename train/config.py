@@ -235,6 +235,11 @@ def schema() -> d.Schema:
             "before_after": Key(True, d.boolean()),
         },
 
+        # The final policy as a Hugging Face checkpoint directory (train.export): written at
+        # the end of the run when hf_dir is set; dtype "" = model.param_dtype.
+        "export": {"hf_dir": Key("", d.string(), resume=FREE),
+                   "dtype": Key("", d.one_of("", "float32", "bfloat16"), resume=FREE)},
+
         "metrics": {"tensorboard": Key(True, d.boolean(), resume=FREE),
                     # 0: by device kind
                     "peak_flops": Key(0.0, NONNEGATIVE, resume=FREE)},

@@ -20,6 +20,7 @@ from train import (
     cli,
     evaluate,
     experience,
+    export,
     nonfinite,
     plot,
     rl_loss,
@@ -144,6 +145,7 @@ def train(cfg, config_file: str | None = None) -> None:
         before = evaluate.held_out(cfg, s, evals, answer_logprobs, start, "before", 0)
         print(evaluate.summary(before, n, "before GRPO"), flush=True)
     params = train_grpo(cfg, s, start, rollouts)
+    export.at_end(cfg, s, params)  # export.hf_dir
     if before is not None:
         after = evaluate.held_out(cfg, s, evals, answer_logprobs, params, "after", cfg.train.steps)
         print(evaluate.summary(after, n, "after GRPO"), flush=True)

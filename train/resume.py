@@ -6,6 +6,7 @@ log intervals, mesh, processes) are allowed and listed."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 from pathlib import Path
@@ -33,6 +34,28 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f"{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def saved_config(workdir):
+    """The config ``workdir`` was started with, rebuilt from its ``config.json`` (a key
+    the file lacks, added to the schema later, keeps its default).
+
+    Raises:
+      FileNotFoundError: no ``config.json`` in ``workdir`` (not a run directory).
+    """
+    path = Path(workdir) / FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{workdir} is not a run directory: no {FILE}")
+    saved = json.loads(path.read_text())
+    cfg = schema_config.base_config()
+    for key in keys(schema_config.schema()):
+        if key in saved:
+            *parents, leaf = key.split(".")
+            section = cfg
+            for part in parents:
+                section = section[part]
+            section[leaf] = ast.literal_eval(saved[key])
+    return cfg
 
 
 def differences(saved: dict[str, str], cfg) -> tuple[list[str], list[str]]:

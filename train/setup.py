@@ -64,6 +64,25 @@ def model_config(cfg) -> models.ModelConfig:
                              sharding_rules=cfg.mesh.rules, **m.overrides.to_dict())
 
 
+def run_model_config(cfg) -> models.ModelConfig:
+    """The model of a run: ``model.hf_checkpoint``'s config (with ``scan_layers`` from
+    ``model.overrides``) or ``model_config(cfg)``, with ``model.remat``.
+
+    Raises:
+      FileNotFoundError / models.CheckpointError: see ``train.state.load_hf_config``.
+    """
+    if cfg.model.hf_checkpoint:
+        scan = bool(cfg.model.overrides.get("scan_layers", False))
+        model_cfg = state.load_hf_config(
+            cfg.model.hf_checkpoint, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+            scan_layers=scan).replace(sharding_rules=cfg.mesh.rules)
+    else:
+        model_cfg = model_config(cfg)
+    if cfg.model.remat and not model_cfg.remat:
+        model_cfg = model_cfg.replace(remat=True)
+    return model_cfg
+
+
 def build(cfg) -> Setup:
     """Build the shared pieces of a run from its config (after ``train.distributed``:
     the mesh spans every process's devices).
@@ -85,16 +104,7 @@ def build(cfg) -> Setup:
         require_checkpoint(cfg.init.sft_checkpoint)  # fail early, before any work
     check_resumable(workdir / SFT_DIR, cfg.sft.steps)
     check_resumable(workdir / GRPO_DIR, cfg.train.steps)
-    if cfg.model.hf_checkpoint:
-        scan = bool(cfg.model.overrides.get("scan_layers", False))
-        model_cfg = state.load_hf_config(
-            cfg.model.hf_checkpoint, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
-            scan_layers=scan).replace(sharding_rules=cfg.mesh.rules)
-    else:
-        model_cfg = model_config(cfg)
-    if cfg.model.remat and not model_cfg.remat:
-        model_cfg = model_cfg.replace(remat=True)
-    mdef = state.ModelDef.of(model_cfg)
+    mdef = state.ModelDef.of(run_model_config(cfg))
     if tok.num_valid > mdef.cfg.vocab_size:
         raise ValueError(f"tokenizer has {tok.num_valid} tokens but the model's vocabulary "
                          f"is {mdef.cfg.vocab_size}")

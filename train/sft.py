@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from absl import app
 
-from train import cli, nonfinite, packing, setup, steps
+from train import cli, export, nonfinite, packing, setup, steps
 from train.loop import Loop, Stage
 from train.placement import place_batch
 from train.state import Params
@@ -83,7 +83,7 @@ def train(cfg, config_file: str | None = None) -> None:
     s = setup.start(cfg)
     if s.writer.enabled:
         print(setup.banner(cfg, s, "train.sft", config_file), flush=True)
-    run_sft(cfg, s)
+    export.at_end(cfg, s, run_sft(cfg, s))  # export.hf_dir
     s.writer.close()
 
 

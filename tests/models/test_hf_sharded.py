@@ -2,14 +2,19 @@
 only the file slices its devices hold, and the arrays equal the whole-file load bit for bit
 (8 devices in one process: MoE and dense, unrolled and stacked layers, default and odd
 rules, float32 and bfloat16 parameters; 2 processes x 2 devices through the trainer's
-``train.state.load_hf``)."""
+``train.state.load_hf``). The export back from those 2 processes (``models.save_params``):
+each writes its own shards, moving one layer at a time, and the files equal the original
+ones."""
 
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from models.hf import _Tensor
 from tests.models.checkpoint_cases import write_checkpoints
@@ -79,3 +84,23 @@ def test_two_processes_read_only_their_own_slices(checkpoints):
         assert mine and theirs
         for a, b in itertools.product(mine, theirs):  # no element read by both
             assert any(x1 <= y0 or y1 <= x0 for (x0, x1), (y0, y1) in zip(a, b)), (key, a, b)
+
+    # the export from the two processes: shards split between them, tensors as written
+    # by one process; a stacked parameter moves one layer (of 2) at a time, nothing moves
+    # more than the embedding (a sixth of the model here)
+    root = Path(checkpoints)
+    index = json.loads((root / "export-2p" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert outs[0]["written"] and outs[1]["written"]
+    assert sorted(outs[0]["written"] + outs[1]["written"]) == files
+    assert all(f in outs[i % 2]["written"] for i, f in enumerate(files))
+    for o in outs:
+        stacked = [(n, of) for unit, n, of in o["units"] if unit is not None]
+        assert stacked and all(2 * n == of for n, of in stacked)
+        assert max(n for _, n, _ in o["units"]) < 0.2 * o["file_bytes"]
+    exported = {k: v for f in files for k, v in load_file(root / "export-2p" / f).items()}
+    original = {k: v for f in (root / "moe-scan").glob("*.safetensors")
+                for k, v in load_file(f).items()}
+    assert exported.keys() == original.keys()
+    for key, value in original.items():
+        np.testing.assert_array_equal(exported[key], value, err_msg=key)

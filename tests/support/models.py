@@ -34,21 +34,35 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
     return model
 
 
-def hf_model(moe: bool, tied: bool, seed: int = 0, **overrides):
-    """A random float32 ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` with every weight
-    randomised (norm scales near 1, projections with std 0.08) so that no mapping error
-    can hide behind an identity or a symmetric initialisation."""
+#: A Llama 3.1 style RoPE scaling whose three bands (kept, interpolated, divided) all hold
+#: some of ``DIMS``' 8 frequencies.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+#: family -> transformers (config, model) class names, without and with experts.
+FAMILIES = {"qwen3": (("Qwen3Config", "Qwen3ForCausalLM"),
+                      ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")),
+            "qwen2": (("Qwen2Config", "Qwen2ForCausalLM"), None),
+            "llama": (("LlamaConfig", "LlamaForCausalLM"), None)}
+
+
+def hf_model(moe: bool, tied: bool, seed: int = 0, family: str = "qwen3", **overrides):
+    """A random float32 ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` (``family``
+    ``"qwen3"``), ``Qwen2ForCausalLM`` (``"qwen2"``, q/k/v biases) or ``LlamaForCausalLM``
+    (``"llama"``, with ``LLAMA3_ROPE`` unless ``rope_parameters`` is overridden) with every
+    weight randomised (norm scales near 1, projections and biases with std 0.08) so that no
+    mapping error can hide behind an identity, a zero bias or a symmetric initialisation."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
     dims = {**DIMS, **(MOE_DIMS if moe else {}), "tie_word_embeddings": tied, **overrides}
     theta = dims.pop("rope_theta")
-    cls = transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config
-    config = cls(**dims, rope_parameters={"rope_type": "default", "rope_theta": theta})
+    rope = {"rope_type": "default", **(LLAMA3_ROPE if family == "llama" else {})}
+    rope = {**rope, "rope_theta": theta, **dims.pop("rope_parameters", {})}
+    config_name, model_name = FAMILIES[family][moe]
+    config = getattr(transformers, config_name)(**dims, rope_parameters=rope)
     config._attn_implementation = "eager"
-    model_cls = transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM
-    model = model_cls(config).float().eval()
+    model = getattr(transformers, model_name)(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

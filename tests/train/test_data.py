@@ -9,7 +9,7 @@ import pytest
 
 from train import data
 from train.metrics import MetricsWriter
-from train.tokenizer import qwen_bpe
+from train.tokenizer import LLAMA3_SPECIALS, hf_tokenizer, qwen_bpe
 
 SPEC = {"chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}}
 
@@ -28,6 +28,49 @@ def test_qwen_tokenizer_and_chat_prompt(tok):
     assert [tok.decode([i]) for i in tok.encode("1234")] == ["1", "2", "3", "4"]
     # special-token text inside a question stays plain text
     assert tok.im_end_id not in tok.encode("<|im_end|>")
+
+
+#: Meta's chat template of Llama 3 Instruct (its tokenizer_config.json).
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] "
+    "| trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+    "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+
+
+def test_llama3_tokenizer_writes_meta_chat_format(tmp_path):
+    """A checkpoint tokenizer with Llama 3's markers and no ChatML ones: prompts in Meta's
+    format (the ids of its chat template, rendered and encoded), turns end with
+    ``<|eot_id|>``; one with neither is refused naming both sets."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    jinja2 = pytest.importorskip("jinja2")  # (torch's dependency)
+
+    bpe = tokenizers.Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = ["system\n\nBe brief.", "user\n\nWhat is 12 + 7?", "assistant\n\n19"]
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=list(LLAMA3_SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    tok = hf_tokenizer(tmp_path)
+    assert tok.chat_format == "llama3"
+    assert tok.stop_ids == (bpe.token_to_id("<|eot_id|>"), bpe.token_to_id("<|end_of_text|>"))
+    for system in ("Be brief.", ""):
+        messages = [{"role": "system", "content": system}] if system else []
+        text = jinja2.Template(LLAMA3_TEMPLATE).render(
+            messages=[*messages, {"role": "user", "content": "What is 12 + 7?"}],
+            bos_token="<|begin_of_text|>", add_generation_prompt=True)
+        expected = bpe.encode(text, add_special_tokens=False).ids
+        assert tok.chat_prompt(system, "What is 12 + 7?") == expected, text
+    bare = tokenizers.Tokenizer(models.BPE())
+    bare.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match=r"special tokens \['<\|im_start\|>'.*nor all of "
+                                         r"Llama 3's \['<\|begin_of_text\|>'"):
+        hf_tokenizer(tmp_path)
 
 
 def test_system_prompt_is_configurable_and_can_be_left_out(tok):

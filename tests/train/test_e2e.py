@@ -56,8 +56,9 @@ def test_two_grpo_steps_end_to_end(tmp_path, env):
     # with the trainer's old log-probs: 4 updates per step, reported one by one
     updates = ("--config.loss.beta=0.01", "--config.train.updates_per_batch=2",
                "--config.train.mini_batches=2", "--config.loss.old_logprobs=trainer")
-    out = subprocess.run(_cmd(work, *updates), cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600, check=False)
+    out = subprocess.run(_cmd(work, *updates, f"--config.export.hf_dir={work / 'hf'}"),
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+                         check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "before GRPO: 16 held-out problems" in out.stdout
     assert "after GRPO: 16 held-out problems" in out.stdout
@@ -103,6 +104,7 @@ def test_two_grpo_steps_end_to_end(tmp_path, env):
         "params", "opt_state", "rng", "meta"}
     assert _complete_checkpoints(work / "sft") == [2]
     assert {p.name for p in (work / "sft" / "2").iterdir() if p.is_dir()} == {"params", "meta"}
+    check_export(work, work / "hf")
     # the run directory keeps its config; a value that changes the results stops a rerun
     # before any work (the reported case: a finished run printed T=0.5 above its T=1 rows)
     assert json.loads((work / "config.json").read_text())["loss.beta"] == "0.01"
@@ -125,6 +127,38 @@ def test_two_grpo_steps_end_to_end(tmp_path, env):
     for stage in ("sft", "grpo"):
         assert f"{stage}: finished earlier (2 steps); using its final checkpoint" in again.stdout
     assert _records(work) == recs
+
+
+def check_export(run, out):
+    """The run's final policy as a Hugging Face directory (``export.hf_dir``): transformers'
+    logits equal ours (float32, 1e-5) and its tokenizer (the offline Qwen BPE converted)
+    encodes texts and the chat prompt as the trainer does."""
+    import numpy as np
+
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tests.support.models import causal_inputs, hf_logits
+    from train import resume, setup, state
+    from train.checkpoint import require_checkpoint
+    from train.tokenizer import load_tokenizer
+
+    cfg = resume.saved_config(run)
+    mdef = state.ModelDef.of(setup.run_model_config(cfg))
+    ckpt = require_checkpoint(run / "grpo")
+    model = mdef.merge(ckpt.restore({"params": mdef.abstract_params()})[0]["params"])
+    ckpt.close()
+    tok = load_tokenizer(cfg.tokenizer)
+    prompt = tok.chat_prompt(cfg.data.system_prompt, "What is 12 + 7?")
+    tokens = np.asarray([prompt])
+    ours = np.asarray(model.logits(model(*causal_inputs(tokens)).hidden))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    assert np.abs(hf_logits(hf, tokens) - ours).max() <= 1e-5
+    auto = transformers.AutoTokenizer.from_pretrained(out)
+    chat = auto.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}],
+                                    tokenize=False, add_generation_prompt=True)
+    assert auto(chat, add_special_tokens=False)["input_ids"] == prompt
+    for text in ("  x = 1234567 +\n\t-89", "Ünïcödé café 日本語 🙂", "don't WE'LL"):
+        assert auto(text, add_special_tokens=False)["input_ids"] == tok.encode(text), text
 
 
 def test_sigkill_then_rerun_resumes_without_loss_or_duplicates(tmp_path, env):

@@ -1,0 +1,154 @@
+"""A run's policy as a Hugging Face checkpoint directory that ``transformers`` and vLLM load:
+
+    python -m train.export --run=runs/NAME [--step=N] [--stage=grpo|sft] --out=DIR \
+        [--dtype=bfloat16|float32]
+
+The directory holds ``config.json`` (the model's architecture: ``Qwen3ForCausalLM``,
+``Qwen3MoeForCausalLM``, ``Qwen2ForCausalLM`` or ``LlamaForCausalLM``, ``models.hf``),
+the weights as ``model.safetensors`` or shards plus ``model.safetensors.index.json``,
+``generation_config.json`` (the run's stop tokens and rollout sampling settings) and the
+tokenizer's files (``train.tokenizer.save_tokenizer``: the run's own tokenizer, with the
+trainer's ChatML template and system prompt for the offline Qwen BPE).
+
+The command reads the run's saved config (``<run>/config.json``) for the model and the
+tokenizer, and restores the parameters of one checkpoint (default: the latest step of the
+GRPO stage, else of the SFT stage) whole on this process's first device (run it with
+``JAX_PLATFORMS=cpu`` to use host memory). The trainer writes the same directory at the
+end of a run when ``export.hf_dir`` is set (``at_end``): there the parameters stay in the
+run's sharding and, on several hosts, each process writes its own shards
+(``models.save_params``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+
+import models
+from train import resume, setup, state
+from train.checkpoint import require_checkpoint
+from train.tokenizer import load_tokenizer, save_tokenizer
+
+_RUN = flags.DEFINE_string("run", None, "the run directory (its --config.workdir)")
+_OUT = flags.DEFINE_string("out", None, "the Hugging Face directory to write")
+_STEP = flags.DEFINE_integer("step", None, "the checkpoint step (default: the latest)")
+_STAGE = flags.DEFINE_enum("stage", None, [setup.GRPO_DIR, setup.SFT_DIR],
+                           "the stage (default: grpo if it has a checkpoint, else sft)")
+_DTYPE = flags.DEFINE_enum("dtype", "", ["", "float32", "bfloat16"],
+                           "tensor dtype in the files ('': the run's parameter dtype)")
+
+
+def generation_config(cfg, tokenizer) -> dict:
+    """``generation_config.json`` of a run: it stops where the trainer's rollouts stop
+    (the end of the assistant turn, end of text) and samples as they did (``rollout.temperature``,
+    ``top_p``, ``top_k``, ``min_p``; greedy at temperature 0). ``top_k`` 0 means off, as
+    in transformers and vLLM."""
+    r = cfg.rollout
+    out = {"eos_token_id": list(tokenizer.stop_ids), "pad_token_id": tokenizer.eos_id,
+           "do_sample": r.temperature > 0}
+    if r.temperature > 0:
+        out.update(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        if r.min_p > 0:
+            out["min_p"] = r.min_p
+    return out
+
+
+def export_params(cfg, mdef: state.ModelDef, params: state.Params, out, *,
+                  dtype: str = "") -> Path:
+    """Write ``params`` (the flat parameters of ``mdef``, in any sharding) with ``cfg``'s
+    tokenizer and generation settings as a Hugging Face directory ``out``. Every process
+    calls it when the run spans several: each writes its own weight shards
+    (``models.save_params``), process 0 the rest.
+
+    Returns:
+      ``out`` as a ``Path``.
+
+    Raises:
+      models.CheckpointError: a model no Hugging Face architecture expresses (e.g. a
+        final-logit soft-cap).
+      FileNotFoundError: the run's tokenizer directory has no ``tokenizer.json``.
+    """
+    out = Path(out)
+    spec = cfg.tokenizer or cfg.model.hf_checkpoint
+    tokenizer = load_tokenizer(spec)
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.im_end_id,
+           "pad_token_id": tokenizer.eos_id}
+    by_path = {p: params[state.param_key(p)] for p in mdef.paths}
+    models.save_params(by_path, mdef.cfg, out, dtype=dtype or None, metadata=ids)
+    if jax.process_index() == 0:
+        save_tokenizer(spec, out, system=cfg.data.system_prompt)
+        text = json.dumps(generation_config(cfg, tokenizer), indent=2)
+        (out / "generation_config.json").write_text(text + "\n")
+    return out
+
+
+def at_end(cfg, s: setup.Setup, params: state.Params) -> None:
+    """The trainer's hook when a run ends: ``export_params`` to ``export.hf_dir`` if set."""
+    if cfg.export.hf_dir:
+        out = export_params(cfg, s.mdef, params, cfg.export.hf_dir, dtype=cfg.export.dtype)
+        if s.writer.enabled:
+            print(f"exported the final policy to {out}", flush=True)
+
+
+def latest_stage(run: Path) -> str:
+    """``grpo`` if the run has a GRPO checkpoint, else ``sft``.
+
+    Raises:
+      FileNotFoundError: neither stage has a checkpoint directory.
+    """
+    for name in (setup.GRPO_DIR, setup.SFT_DIR):
+        if (run / name).is_dir() and any(p.name.isdigit() for p in (run / name).iterdir()):
+            return name
+    raise FileNotFoundError(f"{run} has no checkpoint (no {setup.GRPO_DIR}/ or "
+                            f"{setup.SFT_DIR}/ step directory)")
+
+
+def export_run(run, out, *, step: int | None = None, stage: str | None = None,
+               dtype: str = "") -> Path:
+    """``python -m train.export``: the parameters of checkpoint ``step`` (default: the
+    latest) of ``stage`` (default: ``latest_stage``) of the run directory ``run``, restored
+    whole on this process's first device, written by ``export_params``.
+
+    Raises:
+      FileNotFoundError: ``run`` is no run directory (no ``config.json``) or has no
+        checkpoint of that stage; a ``step`` it does not hold (its steps listed).
+      models.CheckpointError: see ``export_params``.
+    """
+    run = Path(run)
+    cfg = resume.saved_config(run)
+    stage = stage or latest_stage(run)
+    ckpt = require_checkpoint(run / stage)
+    try:
+        steps = ckpt.all_steps()
+        if step is not None and step not in steps:
+            raise FileNotFoundError(f"{run / stage} has no step {step}; its steps: {steps}")
+        mdef = state.ModelDef.of(setup.run_model_config(cfg))
+        device = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("one",))
+        whole = jax.sharding.NamedSharding(device, jax.sharding.PartitionSpec())
+        abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=whole)
+                    for k, v in mdef.abstract_params().items()}
+        params = ckpt.restore({"params": abstract}, step)[0]["params"]
+    finally:
+        ckpt.close()
+    return export_params(cfg, mdef, params, out, dtype=dtype)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)  # orbax's INFO lines
+    try:
+        out = export_run(_RUN.value, _OUT.value, step=_STEP.value, stage=_STAGE.value,
+                         dtype=_DTYPE.value)
+    except (FileNotFoundError, ValueError) as err:  # CheckpointError is a ValueError
+        raise SystemExit(f"error: {err}") from None
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["run", "out"])
+    app.run(main)
