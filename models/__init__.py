@@ -5,6 +5,7 @@ Public API:
   Transformer, DecoderOutput         the decoder (hidden states, KV cache, MoE aux loss and
                                      dropped fraction)
   KVCache, init_cache                fixed-size cache for prefill + decode steps
+                                     (the rollout engines that use it: models.generate)
   load_model, save_model, load_config, CheckpointError   HF safetensors import / export
   load_params                        HF parameters read per process in a mesh layout
   logical_axes, logical_partition_specs                   parameter logical axis names

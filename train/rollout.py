@@ -123,24 +123,23 @@ class Generator:
         self.placement = placement if placement is not None and placement.sharded else None
         shards = 1 if self.placement is None else self.placement.batch_shards
         self._ladder = (math.lcm(rung_multiple, shards), rung_growth, shards)
-        CompactEngine(mdef.merge, self._decoding(False, 1), chunk=decode_chunk,
+        CompactEngine(mdef.merge, self._decoding(False), chunk=decode_chunk,
                       rung_multiple=self._ladder[0], growth=rung_growth)  # checks the args
         self.decode_chunk = decode_chunk
         self._fns: dict = {}
         self.last_work: Work | None = None
 
-    def _decoding(self, truncated: bool, group_size: int) -> Decoding:
-        return Decoding(self.max_new_tokens, self.stop_ids, self.num_valid, truncated,
-                        group_size)
+    def _decoding(self, truncated: bool) -> Decoding:
+        return Decoding(self.max_new_tokens, self.stop_ids, self.num_valid, truncated)
 
     def _jit(self, fn):
         return jax.jit(fn) if self.placement is None else self.placement.jit(fn)
 
-    def _fn(self, truncated: bool, group_size: int):
-        """The compiled engine of one sampler path and group size."""
-        key = (truncated, group_size)
+    def _fn(self, truncated: bool):
+        """The compiled engine of one sampler path (every group size and row count)."""
+        key = truncated
         if key not in self._fns:
-            d = self._decoding(truncated, group_size)
+            d = self._decoding(truncated)
             if self.engine == "compact":
                 self._fns[key] = CompactEngine(
                     self.mdef.merge, d, chunk=self.decode_chunk, rung_multiple=self._ladder[0],
@@ -226,7 +225,7 @@ class Generator:
         padded, lens, budgets, truncated, trunc = self._inputs(
             prompts, temperature, truncation, group_size, None)
         args = self._reference_args(padded, lens, budgets, group_size, key, temperature, trunc)
-        return self._fn(truncated, group_size).lower(params, *args)
+        return self._fn(truncated).lower(params, *args)
 
     def __call__(self, params: Params, prompts, key: jax.Array, *, temperature: float,
                  truncation: Truncation | None = None, group_size: int = 1,
@@ -256,14 +255,15 @@ class Generator:
         """
         padded, lens, budgets, truncated, trunc = self._inputs(
             prompts, temperature, truncation, group_size, max_new_tokens)
-        fn, rows = self._fn(truncated, group_size), len(budgets)
+        fn, rows = self._fn(truncated), len(budgets)
         tokens = int(lens[:len(prompts)].sum())
         if self.engine == "compact":
             if self.placement is not None:
                 params = self.placement.place_params(params)
             b = self._place({"prompts": padded, "lens": lens})
             out, self.last_work = fn(params, b["prompts"], b["lens"], budgets, key,
-                                     jnp.float32(temperature), trunc, prompt_tokens=tokens)
+                                     jnp.float32(temperature), trunc, group_size=group_size,
+                                     prompt_tokens=tokens)
             out = to_host(out)  # every process reads every row
         else:
             args = self._reference_args(padded, lens, budgets, group_size, key, temperature,

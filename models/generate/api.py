@@ -53,14 +53,12 @@ class Decoding(NamedTuple):
       num_valid: only ids below it are drawn.
       truncated: the sampler path: True, top-k / top-p / min-p from full float32 logits
         (the settings traced); False, jaxhead's chunked Gumbel-max (no ``[B, V]`` logits).
-      group_size: G, consecutive rows per prompt (the prompts are given once each).
     """
 
     max_new_tokens: int
     stop_ids: tuple[int, ...]
     num_valid: int
     truncated: bool
-    group_size: int = 1
 
 
 def along_batch(tree):

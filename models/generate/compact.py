@@ -220,7 +220,7 @@ class CompactEngine:
         return jaxhead.bucket_ladder(top, multiple=self.multiple, growth=self.growth)
 
     def __call__(self, params, prompts, lens, budgets: np.ndarray, key, temperature, trunc,
-                 *, prompt_tokens: int) -> tuple[tuple[jax.Array, ...], Work]:
+                 *, group_size: int, prompt_tokens: int) -> tuple[tuple[jax.Array, ...], Work]:
         """Rollouts of ``len(budgets)`` rows (``G`` per prompt row, in order).
 
         Args:
@@ -228,6 +228,7 @@ class CompactEngine:
           prompts, lens: ``[U, W]`` / ``[U]`` distinct prompts (device or host; rows past
             ``len(budgets) / G`` are padding).
           budgets: int ``[B]`` host array: each row's token budget (``<= T``).
+          group_size: G, consecutive rows per prompt row (one compile serves every G).
           key, temperature, trunc: as ``models.generate.reference.generate``.
           prompt_tokens: the real prompt tokens (for ``Work``).
 
@@ -239,7 +240,7 @@ class CompactEngine:
         ladder = self.ladder(real)
         size = ladder[-1]
         row_ids = np.arange(size, dtype=np.int32)
-        source = np.minimum(row_ids // d.group_size, prompts.shape[0] - 1).astype(np.int32)
+        source = np.minimum(row_ids // group_size, prompts.shape[0] - 1).astype(np.int32)
         row_ids[real:] = size  # padding
         full = np.zeros(size, np.int32)
         full[:real] = budgets

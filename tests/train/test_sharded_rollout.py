@@ -1,8 +1,10 @@
 """Sharded rollouts (``train.rollout.Generator`` under a ``train.placement.Placement``) on
 the tiny MoE: 2 processes x 2 devices, 1 process x 4 devices (fsdp=2 x expert=2) and one
-device decode the same completions and log-probs for the same keys (6 rows padded to 8);
-the compiled decoder on fsdp=2 x expert=4 gathers no device's experts onto another and
-keeps its KV cache split along the batch.
+device decode the same completions and log-probs for the same keys (6 rows padded to 8;
+the default ``compact`` engine); the compiled ``reference`` decoder on fsdp=2 x expert=4
+gathers no device's experts onto another and keeps its KV cache split along the batch; on
+that 8-device mesh the ``compact`` engine draws the one-device ``reference`` engine's tokens
+(slow).
 
 The subprocesses compile with LLVM optimisation off (half the compile time; every
 compared side uses the same flags, and the HLO the collectives check reads is the same).
