@@ -176,10 +176,11 @@ class Generator:
             raise ValueError(f"need at least one prompt, each of >= 1 token; got prompt "
                              f"lengths {[len(p) for p in prompts]}")
         rows = len(prompts) * group_size
-        budgets = np.broadcast_to(np.asarray(
-            self.max_new_tokens if max_new_tokens is None else max_new_tokens), (rows,))
-        if budgets.dtype.kind not in "iu" or budgets.min() < 1 or \
-                budgets.max() > self.max_new_tokens:
+        budgets = np.asarray(self.max_new_tokens if max_new_tokens is None else max_new_tokens)
+        if budgets.ndim == 0:
+            budgets = np.full(rows, budgets)
+        if budgets.shape != (rows,) or budgets.dtype.kind not in "iu" or \
+                budgets.min() < 1 or budgets.max() > self.max_new_tokens:
             raise ValueError(f"max_new_tokens must be ints in [1, {self.max_new_tokens}] "
                              f"(one, or one per row: {rows}), got {max_new_tokens!r}")
         padded, lens = pad_prompts(prompts)

@@ -128,5 +128,7 @@ def test_bad_arguments_raise(policy):
     key = jax.random.key(0)
     with pytest.raises(ValueError, match=r"max_new_tokens must be ints in \[1, 4\]"):
         gen(params, [[1, 2]], key, temperature=1.0, group_size=2, max_new_tokens=[1, 5])
+    with pytest.raises(ValueError, match=r"one per row: 2\), got \[1, 2, 3\]"):
+        gen(params, [[1, 2]], key, temperature=1.0, group_size=2, max_new_tokens=[1, 2, 3])
     with pytest.raises(ValueError, match="group_size must be a positive int, got 0"):
         gen(params, [[1, 2]], key, temperature=1.0, group_size=0)
