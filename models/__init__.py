@@ -8,6 +8,7 @@ Public API:
   check_ops                          a config's op choices against the ops (``Transformer``
                                      calls it; a trainer's config check may too)
   KVCache, init_cache                fixed-size cache for prefill + decode steps
+                                     (the rollout engines that use it: models.generate)
   load_model, save_model, load_config, CheckpointError   HF safetensors import / export
   load_params                        HF parameters read per process in a mesh layout
   save_params                        HF export of parameters in any layout, each process

@@ -168,6 +168,10 @@ def schema() -> d.Schema:
             "top_p": Key(1.0, d.number(0, 1, lo_open=True)),  # < 1: the nucleus of mass top_p
             # > 0: tokens with p >= min_p * max p
             "min_p": Key(0.0, d.number(0, 1, hi_open=True)),
+            # models.generate: compact (one prefill per prompt, finished rows leave the
+            # batch every decode_chunk steps) | reference (the whole batch to the longest)
+            "engine": Key("compact", d.one_of("compact", "reference")),
+            "decode_chunk": Key(64, d.integer(1)),
         },
 
         "loss": {

@@ -77,16 +77,22 @@ class EvalResult:
 
 
 def _generate_all(generate: rollout.Generator, params, prompts, key, batch: int, bar,
-                  temperature: float) -> list[tuple[rollout.Rollout, int]]:
-    """Completions of every prompt, in fixed-size batches (the last one padded by
-    repeating a prompt, so one shape compiles); ``bar`` advances by one per batch."""
-    out = []
-    for start in range(0, len(prompts), batch):
-        chunk = list(prompts[start:start + batch])
+                  temperature: float, group: int = 1) -> list[tuple[rollout.Rollout, int]]:
+    """``group`` completions of every prompt (consecutive rows), ``batch`` rows per call
+    (the last call padded by repeating a prompt, so one shape compiles; each prompt
+    prefilled once per call when ``group`` divides ``batch``, else repeated ``group``
+    times); ``bar`` advances by one per call. The rows and their keys do not depend on
+    ``group``."""
+    if batch % group:
+        prompts, group = [p for p in prompts for _ in range(group)], 1
+    out, per_call = [], batch // group
+    for start in range(0, len(prompts), per_call):
+        chunk = list(prompts[start:start + per_call])
         n = len(chunk)
-        chunk += [chunk[0]] * (batch - n)
-        ro = generate(params, chunk, jax.random.fold_in(key, start), temperature=temperature)
-        out += [(ro, i) for i in range(n)]
+        chunk += [chunk[0]] * (per_call - n)
+        ro = generate(params, chunk, jax.random.fold_in(key, start * group),
+                      temperature=temperature, group_size=group)
+        out += [(ro, i) for i in range(n * group)]
         bar.update(1)
     return out
 
@@ -102,13 +108,13 @@ def evaluate(generate: rollout.Generator, params: Params, problems: list[Problem
     ``max_new_tokens`` and stop tokens); ``batch`` rows per call. ``progress``: the label
     of a progress bar over the generation calls (None: no bar).
     """
-    prompts = [p.prompt for p in problems for _ in range(samples)]
-    calls = -(-len(prompts) // batch) + -(-len(problems) // batch)
+    prompts = [p.prompt for p in problems]
+    calls = -(-len(prompts) * samples // batch) + -(-len(problems) // batch)
     with tqdm(total=calls, desc=progress, disable=progress is None, unit="batch",
               leave=False) as bar:
-        done = _generate_all(generate, params, prompts, key, batch, bar, temperature)
-        greedy = _generate_all(generate, params, [p.prompt for p in problems], key, batch,
-                               bar, 0.0)
+        done = _generate_all(generate, params, prompts, key, batch, bar, temperature,
+                             samples)
+        greedy = _generate_all(generate, params, prompts, key, batch, bar, 0.0)
     rewards = [tasks.reward(problems[j // samples], completion_text(tok, ro, i), format_weight)
                for j, (ro, i) in enumerate(done)]
     correct = [float(tasks.reward(p, completion_text(tok, ro, i)) >= 1.0)

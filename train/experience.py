@@ -39,7 +39,8 @@ def generator(cfg, s: setup.Setup, trunc: rollout.Truncation) -> rollout.Generat
     over the run's mesh (``s.placement``) like the training step."""
     return rollout.Generator(s.mdef, max_new_tokens=cfg.rollout.max_new_tokens,
                              stop_ids=s.tasks.stop_ids, num_valid=s.tokenizer.num_valid,
-                             truncation=trunc, placement=s.placement)
+                             truncation=trunc, placement=s.placement,
+                             engine=cfg.rollout.engine, decode_chunk=cfg.rollout.decode_chunk)
 
 
 def score(cfg, s: setup.Setup, problems, ro: rollout.Rollout) -> tuple[np.ndarray, np.ndarray]:

@@ -79,9 +79,11 @@ class GRPOIteration:
     def __call__(self, params, opt_state, problems, key, step):
         cfg, s = self.cfg, self.s
         t0 = time.perf_counter()
-        # 1. rollout: G completions per prompt from the current policy
-        prompts = [p.prompt for p in problems for _ in range(cfg.rollout.group_size)]
-        ro = self.generate(params, prompts, key, temperature=cfg.rollout.temperature)
+        # 1. rollout: G completions per prompt from the current policy (each prompt
+        # prefilled once)
+        ro = self.generate(params, [p.prompt for p in problems], key,
+                           temperature=cfg.rollout.temperature,
+                           group_size=cfg.rollout.group_size)
         # 2. reward
         rewards, correct = score(cfg, s, problems, ro)
         t1 = time.perf_counter()

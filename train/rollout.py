@@ -1,53 +1,44 @@
-"""Rollouts: jitted KV-cache decoding that samples from the head with jaxhead's chunked
-Gumbel-max (or top-k / top-p / min-p truncated sampling) and records each sampled token's
-log-prob and the support it was drawn from.
+"""Rollouts for the trainer: the run's engine (``models.generate``) under its placement,
+with host arrays in and out.
 
-A ``Generator`` is built once per run (by ``train.grpo``) and owns its compiled decoders;
-``temperature`` is traced, so greedy and sampled calls share one.
+A ``Generator`` is built once per run (by ``train.grpo``) and owns its compiled functions;
+``temperature`` is traced, so greedy and sampled calls share them. Its engine is
+``compact`` (one prefill per prompt, finished rows leave the batch between chunks of
+decode steps) or ``reference`` (the whole batch decodes until its longest row stops); both
+draw the same tokens for the same key (``models.generate.api``).
 
-Under a multi-device ``train.placement.Placement`` a call is one SPMD program over the
-run's mesh: the B rows (padded with copies of row 0 to a multiple of the batch shards,
-done from the start and dropped after) are split over ``models.mesh.BATCH_AXES``, the parameters keep
-their training shardings (the decoder's ``in_shardings``; the MoE runs expert-parallel,
-no device gathers another's experts), the KV cache and the sampled arrays are split along
-the batch, and every process reads back every row (``to_host``: a ``process_allgather``
-of the small ``[B, T]`` results), so every process packs the same global batch. A row's
-sampling noise depends only on the key, the decode step and the row's global index
-(``jaxhead.sample`` draws its row seeds with ``jax.random.bits``, whose partitionable
-Threefry counters are the element indices), so completions do not depend on the device
-or process count, nor on the padding.
+Under a multi-device ``train.placement.Placement`` each call runs as SPMD programs over the
+run's mesh: the rows (padded to a multiple of the batch shards; padding rows are done from
+the start and dropped after) are split over ``models.mesh.BATCH_AXES``, the parameters keep
+their training shardings (the MoE runs expert-parallel, no device gathers another's
+experts), the KV cache and the sampled arrays are split along the batch, and every
+process reads back every row (``to_host``: a ``process_allgather`` of the small ``[B, T]``
+results, and of the ``compact`` engine's done flags between chunks, so every process takes
+the same decisions and packs the same global batch). A row's sampling noise depends only
+on the key, the decode step and the row's global index (``jaxhead.sample``'s
+``row_ids``), so completions do not depend on the device or process count, the padding,
+nor on which rows share a batch.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
-import jaxhead
-from models.mesh import BATCH_AXES, active_mesh, present
+from models.generate import IMPLEMENTATIONS, CompactEngine, Decoding, Truncation, Work, reference
 from train.placement import Placement, place_batch, to_host
 from train.state import ModelDef, Params
+
+__all__ = ["PATH_GUMBEL", "PATH_TRUNCATED", "Generator", "Rollout", "Truncation",
+           "pad_prompts"]
 
 #: The ``sampling_path`` metric: which sampler drew a rollout's tokens.
 PATH_GUMBEL = "chunked_gumbel_max"  # jaxhead's chunked Gumbel-max: no [B, V] logits
 PATH_TRUNCATED = "full_logits_truncated"  # top-k / top-p / min-p from full float32 logits
-
-
-class Truncation(NamedTuple):
-    """Truncated sampling settings (``jaxhead.sample``): ``top_k`` (0: off), ``top_p``
-    (1: off), ``min_p`` (0: off); any combination, the support is their intersection."""
-
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-
-    @property
-    def active(self) -> bool:
-        return bool(self.top_k) or self.top_p < 1.0 or self.min_p > 0.0
 
 
 class Rollout(NamedTuple):
@@ -92,81 +83,9 @@ def pad_prompts(prompts: list[list[int]] | list[tuple[int, ...]], multiple: int 
     return out, lens
 
 
-def _along_batch(tree):
-    """``tree`` with every array of rank >= 1 constrained to be split along its leading
-    (batch) axis over the active mesh's batch axes; unchanged without a mesh."""
-    mesh = active_mesh()
-    if mesh is None:
-        return tree
-    spec = P(present(mesh, BATCH_AXES))
-    return jax.tree.map(
-        lambda x: jax.lax.with_sharding_constraint(x, spec) if x.ndim else x, tree)
-
-
-def _decoder(mdef: ModelDef, max_new_tokens: int, truncated: bool,
-             stop_ids: tuple[int, ...], num_valid: int, placement: Placement | None = None):
-    """The jitted decoder ``(params, prompts, lens, num_rows, key, temperature, truncation)
-    -> (tokens, logprobs, min_logit, logmass, lengths, stopped)``; rows from ``num_rows``
-    on are padding (done from the start: they never keep the loop going). ``num_rows``,
-    ``temperature`` and the truncation settings are traced (one compile serves every
-    value), ``truncated`` picks the sampler path (False: chunked Gumbel-max, no ``[B, V]``
-    logits). With a multi-device ``placement``: compiled under its mesh with the
-    parameters in their training shardings and the rows, KV cache and outputs split over
-    the batch axes (the row count must then be a multiple of ``placement.batch_shards``)."""
-
-    def pick(model, hidden, key, temperature, trunc):
-        dtype = model.lm_head.dtype or hidden.dtype
-        kw = dict(zip(Truncation._fields, trunc)) if truncated else {}
-        return jaxhead.sample(hidden.astype(dtype), model.lm_head.weight(dtype), key,
-                              temperature=temperature, softcap=model.lm_head.softcap,
-                              num_valid=num_valid, weight_layout=model.lm_head.weight_layout,
-                              **kw)
-
-    def generate(params, prompts, lens, num_rows, key, temperature, trunc):
-        model = mdef.merge(params)
-        batch, width = prompts.shape
-        cache = _along_batch(model.init_cache(batch, width + max_new_tokens))
-        pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), prompts.shape)
-        seg = (pos < lens[:, None]).astype(jnp.int32)
-        out = model(prompts, pos, seg, cache)
-        last = out.hidden[jnp.arange(batch), lens - 1]
-        first = pick(model, last, jax.random.fold_in(key, 0), temperature, trunc)
-        stops = jnp.asarray(stop_ids, jnp.int32)
-        fill = (0, 0.0, -jnp.inf, 0.0)  # each field's value after the stop token
-        record = tuple(jnp.full((batch, max_new_tokens), f, x.dtype).at[:, 0].set(x)
-                       for f, x in zip(fill, first))
-        done = jnp.isin(first.tokens, stops) | (jnp.arange(batch) >= num_rows)
-        carry = (jnp.int32(1), first.tokens, _along_batch(out.cache), _along_batch(record),
-                 done, jnp.ones((batch,), jnp.int32))
-
-        def cond(c):
-            return (c[0] < max_new_tokens) & ~jnp.all(c[4])
-
-        def body(c):
-            step, tok, cache, record, done, length = c
-            p = (lens + step - 1)[:, None]
-            o = model(tok[:, None], p, jnp.ones_like(p), cache)
-            new = pick(model, o.hidden[:, 0], jax.random.fold_in(key, step), temperature, trunc)
-            new = tuple(jnp.where(done, f, x) for f, x in zip(fill, new))
-            record = tuple(r.at[:, step].set(x) for r, x in zip(record, new))
-            length = length + (~done).astype(jnp.int32)
-            return (step + 1, new[0], _along_batch(o.cache), record,
-                    done | jnp.isin(new[0], stops), length)
-
-        _, _, _, record, done, length = jax.lax.while_loop(cond, body, carry)
-        return (*record, length, done)
-
-    if placement is None or not placement.sharded:
-        return jax.jit(generate)
-    rows, rep = placement.batch, placement.replicated
-    return placement.jit(generate, in_shardings=(placement.params, rows, rows, rep, rep, rep,
-                                                 (rep,) * len(Truncation._fields)),
-                         out_shardings=(rows,) * 6)
-
-
 class Generator:
     """Samples completions with the KV cache; built once per run, it owns its compiled
-    decoders (one per sampler path: the chunked Gumbel-max, and the full-logits truncated
+    functions (per sampler path: the chunked Gumbel-max, and the full-logits truncated
     path when ``truncation`` is active).
 
     Args:
@@ -180,78 +99,178 @@ class Generator:
         (see the module docstring) and ``params`` should be in its parameter shardings
         (``Placement.place_params``; on one process others are moved there); None or one
         device: plain ``jax.jit``.
+      engine: ``"compact"`` or ``"reference"`` (``models.generate.IMPLEMENTATIONS``).
+      decode_chunk: ``compact``: decode steps between compactions.
+      rung_multiple, rung_growth: ``compact``: its row ladder (``jaxhead.bucket_ladder``;
+        on a mesh the multiple is raised to a multiple of the batch shards).
+
+    Attributes:
+      last_work: the ``models.generate.Work`` of the latest call (None before one).
+
+    Raises:
+      ValueError: an unknown ``engine``, ``decode_chunk < 1`` or a bad ladder (named).
     """
 
     def __init__(self, mdef: ModelDef, *, max_new_tokens: int, stop_ids: tuple[int, ...],
                  num_valid: int, truncation: Truncation | None = None,
-                 placement: Placement | None = None):
-        self.mdef, self.max_new_tokens = mdef, max_new_tokens
+                 placement: Placement | None = None, engine: str = "compact",
+                 decode_chunk: int = 64, rung_multiple: int = 8, rung_growth: float = 1.5):
+        if engine not in IMPLEMENTATIONS:
+            raise ValueError(f"unknown rollout engine {engine!r}; one of {IMPLEMENTATIONS}")
+        self.mdef, self.max_new_tokens, self.engine = mdef, max_new_tokens, engine
         self.truncation = Truncation() if truncation is None else Truncation(*truncation)
         self.stop_ids, self.num_valid = tuple(stop_ids), int(num_valid)
         self.placement = placement if placement is not None and placement.sharded else None
-        self._decoders: dict[bool, object] = {}
+        shards = 1 if self.placement is None else self.placement.batch_shards
+        self._ladder = (math.lcm(rung_multiple, shards), rung_growth, shards)
+        CompactEngine(mdef.merge, self._decoding(False), chunk=decode_chunk,
+                      rung_multiple=self._ladder[0], growth=rung_growth)  # checks the args
+        self.decode_chunk = decode_chunk
+        self._fns: dict = {}
+        self.last_work: Work | None = None
 
-    def _decoder(self, truncated: bool):
-        if truncated not in self._decoders:
-            self._decoders[truncated] = _decoder(self.mdef, self.max_new_tokens, truncated,
-                                                 self.stop_ids, self.num_valid, self.placement)
-        return self._decoders[truncated]
+    def _decoding(self, truncated: bool) -> Decoding:
+        return Decoding(self.max_new_tokens, self.stop_ids, self.num_valid, truncated)
 
-    def _inputs(self, prompts, key, temperature: float, truncation: Truncation | None):
-        """``(decoder, its arguments but params, rows, truncated)`` of one call (rows:
-        the real row count; the arguments' rows are padded to the batch shards)."""
+    def _jit(self, fn):
+        return jax.jit(fn) if self.placement is None else self.placement.jit(fn)
+
+    def _fn(self, truncated: bool):
+        """The compiled engine of one sampler path (every group size and row count)."""
+        key = truncated
+        if key not in self._fns:
+            d = self._decoding(truncated)
+            if self.engine == "compact":
+                self._fns[key] = CompactEngine(
+                    self.mdef.merge, d, chunk=self.decode_chunk, rung_multiple=self._ladder[0],
+                    growth=self._ladder[1], row_multiple=self._ladder[2], jit=self._jit,
+                    read=to_host)
+            else:
+                def generate(params, *args):
+                    return reference.generate(self.mdef.merge(params), *args, d)
+
+                if self.placement is None:
+                    self._fns[key] = jax.jit(generate)
+                else:
+                    p = self.placement
+                    rows, rep = p.batch, p.replicated
+                    self._fns[key] = p.jit(generate, in_shardings=(
+                        p.params, rows, rows, rows, rows, rep, rep, rep,
+                        (rep,) * len(Truncation._fields)), out_shardings=(rows,) * 6)
+        return self._fns[key]
+
+    def _inputs(self, prompts, temperature: float, truncation: Truncation | None,
+                group_size: int, max_new_tokens):
+        """``(padded prompts [U', W], lens [U'], budgets [B], truncated, settings)`` of one
+        call, checked (``U'``: the prompts padded to a multiple of the batch shards)."""
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         trunc = self.truncation if truncation is None else Truncation(*truncation)
         if not 0 <= trunc.top_k or not 0 < trunc.top_p <= 1 or not 0 <= trunc.min_p < 1:
             raise ValueError(f"truncation out of range: {trunc} (top_k >= 0, "
                              "0 < top_p <= 1, 0 <= min_p < 1)")
+        if not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be a positive int, got {group_size!r}")
         prompts = list(prompts)
         if not prompts or not all(len(p) for p in prompts):
             raise ValueError(f"need at least one prompt, each of >= 1 token; got prompt "
                              f"lengths {[len(p) for p in prompts]}")
+        rows = len(prompts) * group_size
+        budgets = np.asarray(self.max_new_tokens if max_new_tokens is None else max_new_tokens)
+        if budgets.ndim == 0:
+            budgets = np.full(rows, budgets)
+        if budgets.shape != (rows,) or budgets.dtype.kind not in "iu" or \
+                budgets.min() < 1 or budgets.max() > self.max_new_tokens:
+            raise ValueError(f"max_new_tokens must be ints in [1, {self.max_new_tokens}] "
+                             f"(one, or one per row: {rows}), got {max_new_tokens!r}")
         padded, lens = pad_prompts(prompts)
-        rows = len(prompts)
         if self.placement is not None:
-            extra = -rows % self.placement.batch_shards  # copies of row 0, dropped after
+            extra = -len(prompts) % self.placement.batch_shards  # copies of prompt 0
             padded = np.concatenate([padded, np.repeat(padded[:1], extra, axis=0)])
             lens = np.concatenate([lens, np.repeat(lens[:1], extra)])
-            b = place_batch({"prompts": padded, "lens": lens}, self.placement.mesh)
-            padded, lens = b["prompts"], b["lens"]
         truncated = trunc.active and temperature > 0
         args = (jnp.int32(trunc.top_k), jnp.float32(trunc.top_p), jnp.float32(trunc.min_p))
-        return (self._decoder(truncated),
-                (padded, lens, jnp.int32(rows), key, jnp.float32(temperature), args), rows,
-                truncated)
+        return padded, lens, budgets.astype(np.int32), truncated, args
+
+    def _place(self, arrays: dict) -> dict:
+        return place_batch(arrays, None if self.placement is None else self.placement.mesh)
+
+    def _reference_args(self, padded, lens, budgets, group_size: int, key, temperature,
+                        trunc) -> tuple:
+        """The ``reference`` decoder's arguments but params: the rows padded with copies
+        of row 0 to a multiple of the batch shards (budget T, dropped after)."""
+        rows = len(budgets)
+        shards = 1 if self.placement is None else self.placement.batch_shards
+        size = rows + -rows % shards
+        source = np.minimum(np.arange(size) // group_size, len(padded) - 1).astype(np.int32)
+        source[rows:] = 0
+        full = np.full(size, self.max_new_tokens, np.int32)
+        full[:rows] = budgets
+        b = self._place({"prompts": padded, "lens": lens})
+        r = self._place({"source": source, "budgets": full})
+        return (b["prompts"], b["lens"], r["source"], r["budgets"], jnp.int32(rows), key,
+                jnp.float32(temperature), trunc)
 
     def lower(self, params: Params, prompts, key: jax.Array, *, temperature: float,
-              truncation: Truncation | None = None):
-        """The decoder of ``__call__``'s arguments, lowered (``jax.stages.Lowered``: its
-        HLO, ``.compile()`` and memory analysis); same arguments and errors."""
-        fn, args, _, _ = self._inputs(prompts, key, temperature, truncation)
-        return fn.lower(params, *args)
+              truncation: Truncation | None = None, group_size: int = 1):
+        """The ``reference`` engine's decoder of ``__call__``'s arguments, lowered
+        (``jax.stages.Lowered``: its HLO, ``.compile()`` and memory analysis); same
+        arguments and errors.
+
+        Raises:
+          ValueError: the generator's engine is not ``reference``.
+        """
+        if self.engine != "reference":
+            raise ValueError(f"lower() lowers the reference engine; this generator's is "
+                             f"{self.engine!r}")
+        padded, lens, budgets, truncated, trunc = self._inputs(
+            prompts, temperature, truncation, group_size, None)
+        args = self._reference_args(padded, lens, budgets, group_size, key, temperature, trunc)
+        return self._fn(truncated).lower(params, *args)
 
     def __call__(self, params: Params, prompts, key: jax.Array, *, temperature: float,
-                 truncation: Truncation | None = None) -> Rollout:
-        """Sample one completion per prompt.
+                 truncation: Truncation | None = None, group_size: int = 1,
+                 max_new_tokens=None) -> Rollout:
+        """Sample ``group_size`` completions per prompt.
 
         Args:
           params: the policy's parameters.
-          prompts: token id sequences (``B`` of them, any lengths >= 1).
-          key: PRNG key (step ``t`` draws with ``fold_in(key, t)``; the same on every
-            process).
+          prompts: token id sequences (``U`` of them, any lengths >= 1); row ``r`` of the
+            result continues prompt ``r // group_size``.
+          key: PRNG key (step ``t`` draws with ``fold_in(key, t)``, row ``r`` with the
+            seed words of row ``r``; the same on every process).
           temperature: ``> 0`` samples, 0 is greedy.
           truncation: overrides the generator's for this call (same compiled decoder
             whenever both are active).
+          group_size: G, samples per prompt (each prompt is prefilled once by ``compact``).
+          max_new_tokens: None (the generator's T), or an int or int ``[U x G]`` per-row
+            budgets in ``[1, T]``.
 
         Returns:
-          ``Rollout`` (host arrays ``[B, ...]``; on several processes every process reads
-          every row).
+          ``Rollout`` (host arrays ``[U x G, ...]``; on several processes every process
+          reads every row).
 
         Raises:
           ValueError: ``temperature < 0``, a truncation setting out of range, no prompts
-            or an empty one (the values named).
+            or an empty one, a bad ``group_size`` or budget (the values named).
         """
-        fn, args, rows, truncated = self._inputs(prompts, key, temperature, truncation)
-        out = to_host(fn(params, *args))  # every process reads every row
+        padded, lens, budgets, truncated, trunc = self._inputs(
+            prompts, temperature, truncation, group_size, max_new_tokens)
+        fn, rows = self._fn(truncated), len(budgets)
+        tokens = int(lens[:len(prompts)].sum())
+        if self.engine == "compact":
+            if self.placement is not None:
+                params = self.placement.place_params(params)
+            b = self._place({"prompts": padded, "lens": lens})
+            out, self.last_work = fn(params, b["prompts"], b["lens"], budgets, key,
+                                     jnp.float32(temperature), trunc, group_size=group_size,
+                                     prompt_tokens=tokens)
+            out = to_host(out)  # every process reads every row
+        else:
+            args = self._reference_args(padded, lens, budgets, group_size, key, temperature,
+                                        trunc)
+            out = to_host(fn(params, *args))  # every process reads every row
+            size, width = len(args[2]), padded.shape[1]
+            steps = max(int(out[4][:rows].max()) - 1, 0)  # the loop ran to the longest row
+            self.last_work = Work(tokens * group_size, size * width, size * steps)
         return Rollout(*(x[:rows] for x in out), PATH_TRUNCATED if truncated else PATH_GUMBEL)

@@ -314,13 +314,32 @@ def _truncated(z, seeds, temperature, sampled, num_valid, top_k, top_p, min_p):
     return Sample(tok, rows.logp[:, 0], tau[:, 0], full.logp[:, 0] - rows.logp[:, 0])
 
 
-def _draw(source, key, num_valid, temperature, top_k, top_p, min_p, vocab_chunk) -> Sample:
+def _row_seeds(key, rows: int, row_ids, num_rows) -> jax.Array:
+    """uint32 ``[rows, 2]``: two seed words per row drawn from ``key``; with ``row_ids``
+    the words of rows ``row_ids`` of a ``num_rows``-row draw (``jax.random.bits`` numbers
+    its elements by their index, so a row's words do not depend on the rows drawn)."""
+    if row_ids is None:
+        if num_rows is not None:
+            raise ValueError(f"num_rows={num_rows} needs row_ids")
+        return jax.random.bits(key, (rows, 2), jnp.uint32)
+    if num_rows is None or not isinstance(num_rows, int) or num_rows < 1:
+        raise ValueError(f"row_ids needs num_rows, a positive static int; got {num_rows!r}")
+    row_ids = jnp.asarray(row_ids)
+    if row_ids.shape != (rows,) or not jnp.issubdtype(row_ids.dtype, jnp.integer):
+        raise ValueError(f"row_ids must be integer [B] = [{rows}], got {row_ids.dtype} "
+                         f"{row_ids.shape}")
+    return jnp.take(jax.random.bits(key, (num_rows, 2), jnp.uint32), row_ids, axis=0,
+                    mode="clip")
+
+
+def _draw(source, key, num_valid, temperature, top_k, top_p, min_p, vocab_chunk,
+          row_ids=None, num_rows=None) -> Sample:
     """The draw: the chunked untruncated path when every truncation setting is off, else
     the full-logits one. The values decide, not how they arrive: with a traced setting
     both paths are compiled and ``lax.cond`` picks by the values, so a draw depends only
-    on the key, the rows and the settings' values."""
+    on the key, the rows (``row_ids``: their global indices) and the settings' values."""
     temperature, sampled = _row_temperature(temperature, source.rows)
-    seeds = jax.random.bits(key, (source.rows, 2), jnp.uint32)
+    seeds = _row_seeds(key, source.rows, row_ids, num_rows)
 
     def chunked():
         return _chunked(source, seeds, temperature, sampled, num_valid, vocab_chunk)
@@ -349,6 +368,8 @@ def sample(
     num_valid: int | None = None,
     vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
     weight_layout: WeightLayout = "hv",
+    row_ids: jax.Array | None = None,
+    num_rows: int | None = None,
 ) -> Sample:
     """Draw one token per row from ``softmax(z / temperature)``, optionally truncated.
 
@@ -379,6 +400,11 @@ def sample(
       vocab_chunk: vocabulary entries per tile of the untruncated path (rounded up to a
         multiple of ``SAMPLE_BLOCK`` = 128; a draw does not depend on it).
       weight_layout: ``"hv"`` or ``"vh"``: both draw the same tokens from the same key.
+      row_ids: optional int ``[B]``, with ``num_rows`` (a static int): row ``b`` draws with
+        the seed words that row ``row_ids[b]`` of a ``num_rows``-row call with the same key
+        draws with (ids are clipped to ``[0, num_rows)``). A decoder that drops finished
+        rows from its batch keeps every row's draw so (``models.generate``). None: row
+        ``b`` is row ``b``.
 
     Returns:
       ``Sample(tokens, logprobs, min_logit, logmass)``, ``[B]`` each (see ``Sample``).
@@ -389,8 +415,9 @@ def sample(
       ValueError: bad shapes (a weight that does not match ``H`` in ``weight_layout``: the
         layout named), an unknown ``weight_layout``, no rows, ``temperature`` negative,
         infinite or not a scalar, ``num_valid`` outside ``[1, V]``, ``top_k`` not an integer,
-        ``top_k`` / ``top_p`` / ``min_p`` outside their ranges, or ``vocab_chunk`` not a
-        positive int (the value named).
+        ``top_k`` / ``top_p`` / ``min_p`` outside their ranges, ``vocab_chunk`` not a
+        positive int, or ``row_ids`` without a positive int ``num_rows`` or not of shape
+        ``[B]`` (the value named).
     """
     validation.check_float_pair(validation.dtype_of(hidden, "hidden"),
                                 validation.dtype_of(weight, "weight"))
@@ -401,7 +428,7 @@ def sample(
     num_valid = _check_settings(hidden.shape[0], vocab, num_valid, temperature, top_k,
                                 top_p, min_p, vocab_chunk)
     return _draw(_head_source(hidden, weight, weight_layout, softcap), key, num_valid,
-                 temperature, top_k, top_p, min_p, vocab_chunk)
+                 temperature, top_k, top_p, min_p, vocab_chunk, row_ids, num_rows)
 
 
 def sample_from_logits(
@@ -414,6 +441,8 @@ def sample_from_logits(
     min_p=0.0,
     num_valid: int | None = None,
     vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
+    row_ids: jax.Array | None = None,
+    num_rows: int | None = None,
 ) -> Sample:
     """``jaxhead.sample``'s draw from logits a model has already computed.
 
@@ -430,7 +459,8 @@ def sample_from_logits(
         ``-inf`` marks an id that cannot be drawn. NaN and ``+inf`` are not checked (a row
         holding one draws an unspecified token with a ``-inf`` or NaN log-prob).
       key: a JAX PRNG key (as ``sample``).
-      temperature, top_k, top_p, min_p, num_valid, vocab_chunk: as ``sample``.
+      temperature, top_k, top_p, min_p, num_valid, vocab_chunk, row_ids, num_rows: as
+        ``sample``.
 
     Returns:
       ``Sample(tokens, logprobs, min_logit, logmass)``, ``[B]`` each (see ``Sample``).
@@ -447,4 +477,4 @@ def sample_from_logits(
     num_valid = _check_settings(logits.shape[0], logits.shape[1], num_valid, temperature,
                                 top_k, top_p, min_p, vocab_chunk)
     return _draw(_logits_source(logits), key, num_valid, temperature, top_k, top_p, min_p,
-                 vocab_chunk)
+                 vocab_chunk, row_ids, num_rows)

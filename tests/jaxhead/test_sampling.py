@@ -199,6 +199,30 @@ def test_a_draw_does_not_depend_on_the_chunking():
     np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
 
 
+@pytest.mark.parametrize("truncation", [{}, {"top_p": 0.9}], ids=str)
+def test_row_ids_draw_the_rows_of_the_whole_batch(truncation):
+    # a decoder that drops finished rows passes each kept row's index in the whole batch:
+    # the kept rows then draw exactly what they draw in the whole batch
+    hidden, weight, _ = head_inputs(12, 16, 16, 500)
+    key = jax.random.key(8)
+    whole = jaxhead.sample(hidden, weight, key, temperature=1.0, **truncation)
+    ids = jnp.array([13, 2, 2, 7, 15], jnp.int32)
+    part = jax.jit(lambda h, i: jaxhead.sample(h, weight, key, temperature=1.0, row_ids=i,
+                                               num_rows=16, **truncation))(hidden[ids], ids)
+    pick = np.asarray(ids)
+    np.testing.assert_array_equal(part.tokens, np.asarray(whole.tokens)[pick])
+    for got, want in zip(part[1:], whole[1:]):  # float rounding of another batch shape
+        np.testing.assert_allclose(got, np.asarray(want)[pick], atol=1e-6, rtol=0)
+    unnumbered = jaxhead.sample(hidden[ids], weight, key, temperature=1.0, **truncation)
+    assert not np.array_equal(unnumbered.tokens, part.tokens)  # the ids do matter
+    with pytest.raises(ValueError, match="row_ids needs num_rows"):
+        jaxhead.sample(hidden, weight, key, row_ids=jnp.arange(16))
+    with pytest.raises(ValueError, match=r"row_ids must be integer \[B\] = \[16\]"):
+        jaxhead.sample(hidden, weight, key, row_ids=jnp.arange(3), num_rows=16)
+    with pytest.raises(ValueError, match="num_rows=16 needs row_ids"):
+        jaxhead.sample(hidden, weight, key, num_rows=16)
+
+
 def test_bad_arguments_raise():
     hidden, weight, _ = head_inputs(9, 4, 8, 20)
     key = jax.random.key(0)

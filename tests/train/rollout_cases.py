@@ -116,7 +116,7 @@ def decode_collectives_case() -> dict:
     prompts = _prompts(8)
     width = rollout.pad_prompts(prompts)[0].shape[1]
 
-    gen = _generator(mdef, placement)
+    gen = _generator(mdef, placement, engine="reference")
     hlo = gen.lower(params, prompts, jax.random.key(0), temperature=1.0).compile().as_text()
 
     def cache(rows):  # a [rows, L, K, D] KV-cache buffer in the compiled program
@@ -131,3 +131,31 @@ def decode_collectives_case() -> dict:
             "cache_per_device": cache(len(prompts) // 8), "cache_whole": cache(len(prompts)),
             "control": expert_gathers(control, cfg, local, DECODE_MESH["fsdp"]),
             "experts": len(experts), "local_experts": local}
+
+
+def compact_vs_reference_case() -> dict:
+    """The ``compact`` engine on ``DECODE_MESH`` (8 devices; rows over fsdp x expert) and
+    the ``reference`` engine on one device, same key: 4 prompts of uneven lengths x G = 4,
+    per-row budgets and frequent stop ids (rungs 16 -> 8 as rows finish), untruncated,
+    truncated and greedy."""
+    mdef, params = _policy()
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(20, 500, n).tolist() for n in (3, 12, 5, 9)]
+    budgets = rng.integers(1, MAX_NEW + 1, 16)
+    stops = tuple(range(0, 500, 12))
+    placement = Placement(make_mesh(DECODE_MESH), mdef)
+    kw = {"max_new_tokens": MAX_NEW, "stop_ids": stops, "num_valid": 500}
+    engines = {"compact": (rollout.Generator(mdef, placement=placement, decode_chunk=2, **kw),
+                           placement.place_params(params)),
+               "reference": (rollout.Generator(mdef, engine="reference", **kw), params)}
+    out = {}
+    for engine, (gen, p) in engines.items():
+        for name, temperature, trunc in (("sampled", 1.0, None), ("greedy", 0.0, None),
+                                         ("truncated", 0.8, rollout.Truncation(30, 0.9))):
+            ro = gen(p, prompts, jax.random.key(6), temperature=temperature, truncation=trunc,
+                     group_size=4, max_new_tokens=budgets)
+            out[f"{engine} {name}"] = {
+                "tokens": ro.tokens.tolist(), "logprobs": ro.logprobs.tolist(),
+                "logmass": ro.logmass.tolist(), "lengths": ro.lengths.tolist(),
+                "stopped": ro.stopped.tolist(), "work": list(gen.last_work)}
+    return out

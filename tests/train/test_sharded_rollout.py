@@ -1,8 +1,10 @@
 """Sharded rollouts (``train.rollout.Generator`` under a ``train.placement.Placement``) on
 the tiny MoE: 2 processes x 2 devices, 1 process x 4 devices (fsdp=2 x expert=2) and one
-device decode the same completions and log-probs for the same keys (6 rows padded to 8);
-the compiled decoder on fsdp=2 x expert=4 gathers no device's experts onto another and
-keeps its KV cache split along the batch.
+device decode the same completions and log-probs for the same keys (6 rows padded to 8;
+the default ``compact`` engine); the compiled ``reference`` decoder on fsdp=2 x expert=4
+gathers no device's experts onto another and keeps its KV cache split along the batch; on
+that 8-device mesh the ``compact`` engine draws the one-device ``reference`` engine's tokens
+(slow).
 
 The subprocesses compile with LLVM optimisation off (half the compile time; every
 compared side uses the same flags, and the HLO the collectives check reads is the same).
@@ -13,6 +15,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 
 from tests.support.multidevice import run_case, run_multiprocess
 
@@ -59,3 +62,22 @@ def test_compiled_decoder_gathers_no_foreign_experts():
     assert r["own"] and r["experts"] == 3 and r["local_experts"] == 2
     assert len(r["control"]["foreign"]) >= r["experts"], r["control"]
     assert r["cache_per_device"] and not r["cache_whole"]
+
+
+@pytest.mark.slow  # ~45 CPU s; the 2-process case above runs the compact engine too
+def test_compact_engine_on_eight_devices_draws_the_reference_tokens():
+    r = run_case("tests.train.rollout_cases:compact_vs_reference_case", 8,
+                 XLA_FLAGS=_flags(8))
+    for name in ("sampled", "greedy", "truncated"):
+        got, ref = r[f"compact {name}"], r[f"reference {name}"]
+        differ = int(np.sum(np.asarray(got["tokens"]) != np.asarray(ref["tokens"])))
+        assert differ == 0, f"{name}: {differ} tokens differ"
+        for key in ("lengths", "stopped"):
+            assert got[key] == ref[key], (name, key)
+        for key in ("logprobs", "logmass"):
+            np.testing.assert_allclose(got[key], ref[key], rtol=0, atol=1e-5,
+                                       err_msg=f"{name} {key}")
+        assert got["work"][0] * 4 == ref["work"][0]  # each prompt prefilled once, not G times
+        assert got["work"][2] < ref["work"][2]  # finished rows left the batch
+    sampled = r["reference sampled"]  # rows end both ways, at several lengths
+    assert len(set(sampled["lengths"])) > 3 and 0 < sum(sampled["stopped"]) < 16

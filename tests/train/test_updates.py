@@ -43,7 +43,7 @@ def _plain_grpo_step(cfg, s, tx, params, opt_state, problems, key):
     mdef, t = s.mdef, cfg.rollout.temperature
     gen = experience.generator(cfg, s, experience.truncation(cfg))
     g = cfg.rollout.group_size
-    ro = gen(params, [p.prompt for p in problems for _ in range(g)], key, temperature=t)
+    ro = gen(params, [p.prompt for p in problems], key, temperature=t, group_size=g)
     rewards, _ = experience.score(cfg, s, problems, ro)
     adv = rl_loss.group_advantages(rewards, cfg.loss.advantage,
                                    negative_weight=cfg.loss.negative_weight).reshape(-1)

@@ -1,0 +1,15 @@
+"""Rollouts with the KV cache (``models.cache``), one folder like the op folders.
+
+  api.py          what the engines share: ``Decoding``, ``Truncation``, the draw of a
+                  step by global row index, ``Work``, ``IMPLEMENTATIONS``
+  reference.py    ``"reference"``: the whole batch decodes until its longest row stops
+  compact.py      ``"compact"``: one prefill per prompt, finished rows leave the batch
+                  between chunks of steps (a static row ladder)
+
+The trainer's use of them (placement, host arrays, ``Rollout``) is ``train.rollout``.
+"""
+
+from models.generate.api import IMPLEMENTATIONS, Decoding, Truncation, Work
+from models.generate.compact import CompactEngine
+
+__all__ = ["IMPLEMENTATIONS", "CompactEngine", "Decoding", "Truncation", "Work"]

@@ -1,0 +1,134 @@
+"""The rollout engines (``models.generate``, driven by ``train.rollout.Generator``): the
+``compact`` engine draws the ``reference`` engine's tokens for the same key (G > 1, uneven
+prompt lengths, per-row budgets, stop tokens, untruncated / truncated / greedy), and does
+the work it should: each prompt prefilled once, decode row-steps that follow the rows'
+lengths through the row ladder.
+
+The 8-device mesh case is ``tests/train/test_sharded_rollout.py``."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import jaxhead
+from models import get_config
+from tests.support.models import random_model
+from train import rollout, state
+
+T, G, CHUNK, MULTIPLE, GROWTH = 12, 3, 3, 4, 1.5
+STOPS = tuple(range(0, 500, 12))  # ~1 in 12 ids: about half the rows stop early
+#: (temperature, truncation) of the compared calls; the first two share compiled
+#: functions, the truncated path compiles its own (slow)
+CALLS = {"sampled": (1.0, None), "greedy": (0.0, None),
+         "truncated": (0.9, rollout.Truncation(top_k=40, top_p=0.9))}
+FAST = ("sampled", "greedy")
+
+
+@pytest.fixture(scope="module")
+def policy():
+    model = random_model(get_config("tiny", dtype="float32", num_hidden_layers=1), seed=2)
+    return state.ModelDef.of(model.cfg), state.params_of(model)
+
+
+@pytest.fixture(scope="module")
+def workload():
+    """4 prompts of uneven lengths, G = 3 rows each, per-row budgets in [1, T]."""
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(20, 500, n).tolist() for n in (3, 17, 9, 30)]
+    budgets = rng.integers(1, T + 1, len(prompts) * G)
+    budgets[5] = T  # one row may run to the end
+    return prompts, budgets
+
+
+def _rollouts(policy, workload, names) -> dict:
+    """``(engine, name) -> (Rollout, Work)`` of the ``CALLS`` named."""
+    mdef, params = policy
+    prompts, budgets = workload
+    out = {}
+    for engine in ("reference", "compact"):
+        gen = rollout.Generator(mdef, max_new_tokens=T, stop_ids=STOPS, num_valid=500,
+                                engine=engine, decode_chunk=CHUNK, rung_multiple=MULTIPLE,
+                                rung_growth=GROWTH)
+        for name in names:
+            temperature, trunc = CALLS[name]
+            ro = gen(params, prompts, jax.random.key(9), temperature=temperature,
+                     truncation=trunc, group_size=G, max_new_tokens=budgets)
+            out[engine, name] = ro, gen.last_work
+    return out
+
+
+@pytest.fixture(scope="module")
+def rollouts(policy, workload):
+    return _rollouts(policy, workload, FAST)
+
+
+@pytest.fixture(scope="module")
+def truncated(policy, workload):
+    return _rollouts(policy, workload, ("truncated",))
+
+
+@pytest.mark.parametrize("name", [*FAST, pytest.param("truncated", marks=pytest.mark.slow)])
+def test_compact_draws_the_reference_tokens(request, workload, name):
+    rollouts = request.getfixturevalue("truncated" if name == "truncated" else "rollouts")
+    (ref, _), (got, _) = rollouts["reference", name], rollouts["compact", name]
+    differ = int(np.sum(ref.tokens != got.tokens))
+    assert differ == 0, f"{differ} tokens differ"
+    np.testing.assert_array_equal(got.lengths, ref.lengths)
+    np.testing.assert_array_equal(got.stopped, ref.stopped)
+    for field in ("logprobs", "logmass"):  # float rounding of other batch shapes only
+        np.testing.assert_allclose(getattr(got, field), getattr(ref, field), atol=1e-5,
+                                   rtol=0, err_msg=field)
+    np.testing.assert_array_equal(got.min_logit == -np.inf, ref.min_logit == -np.inf)
+    assert got.path == ref.path
+    # the workload exercises what it should: budgets and stop tokens both end rows, the
+    # rows of a group differ when sampled and agree when greedy
+    _, budgets = workload
+    assert np.all(ref.lengths <= budgets) and ref.stopped.any()
+    assert np.any(~ref.stopped & (ref.lengths == budgets))
+    first = ref.tokens[:, 0].reshape(-1, G)  # every row draws at least one token
+    same = np.all(first == first[:, :1], axis=1)
+    assert same.all() if name == "greedy" else not same.all()
+
+
+def test_work_follows_the_completions(rollouts, workload):
+    prompts, _ = workload
+    rows = len(prompts) * G
+    for name in FAST:
+        (ro, ref), (_, work) = rollouts["reference", name], rollouts["compact", name]
+        # each distinct prompt prefilled once (the reference: once per row)
+        assert work.prefill_tokens == sum(map(len, prompts))
+        assert ref.prefill_tokens == G * work.prefill_tokens
+        # decode: at each chunk start the active rows (length > step) in their rung, for
+        # the steps until the chunk ends, T is reached or every row is done
+        ladder = jaxhead.bucket_ladder(rows, multiple=MULTIPLE, growth=GROWTH)
+        want = 0
+        for start in range(1, T, CHUNK):
+            active = ro.lengths[ro.lengths > start]
+            if len(active):
+                rung = next(r for r in ladder if r >= len(active))
+                want += rung * min(CHUNK, T - start, active.max() - start)
+        assert work.decode_row_steps == want, name
+        # <= sum of lengths (whole chunks) x the ladder's worst padding
+        worst = max(next(r for r in ladder if r >= a) / a for a in range(1, rows + 1))
+        steps = np.ceil((ro.lengths - 1) / CHUNK) * CHUNK
+        assert work.decode_row_steps <= worst * steps.sum()
+        assert ref.decode_row_steps == ladder[-1] * (ro.lengths.max() - 1)
+        assert work.decode_row_steps < 0.8 * ref.decode_row_steps
+
+
+def test_bad_arguments_raise(policy):
+    mdef, params = policy
+    with pytest.raises(ValueError, match="unknown rollout engine 'paged'"):
+        rollout.Generator(mdef, max_new_tokens=4, stop_ids=(), num_valid=500, engine="paged")
+    with pytest.raises(ValueError, match="decode chunk must be a positive int, got 0"):
+        rollout.Generator(mdef, max_new_tokens=4, stop_ids=(), num_valid=500, decode_chunk=0)
+    gen = rollout.Generator(mdef, max_new_tokens=4, stop_ids=(), num_valid=500)
+    key = jax.random.key(0)
+    with pytest.raises(ValueError, match=r"max_new_tokens must be ints in \[1, 4\]"):
+        gen(params, [[1, 2]], key, temperature=1.0, group_size=2, max_new_tokens=[1, 5])
+    with pytest.raises(ValueError, match=r"one per row: 2\), got \[1, 2, 3\]"):
+        gen(params, [[1, 2]], key, temperature=1.0, group_size=2, max_new_tokens=[1, 2, 3])
+    with pytest.raises(ValueError, match="group_size must be a positive int, got 0"):
+        gen(params, [[1, 2]], key, temperature=1.0, group_size=0)
