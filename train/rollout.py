@@ -29,12 +29,26 @@ from jax.sharding import PartitionSpec as P
 
 import jaxhead
 from models.mesh import BATCH_AXES, active_mesh, present
+from train import domains as d
 from train.placement import Placement, place_batch, to_host
 from train.state import ModelDef, Params
 
 #: The ``sampling_path`` metric: which sampler drew a rollout's tokens.
 PATH_GUMBEL = "chunked_gumbel_max"  # jaxhead's chunked Gumbel-max: no [B, V] logits
 PATH_TRUNCATED = "full_logits_truncated"  # top-k / top-p / min-p from full float32 logits
+
+
+#: ``loss.logprob_support``'s domain: the trainer scores a truncated rollout's tokens on
+#: the support they were drawn from (``Rollout.min_logit``) or on the whole softmax
+#: (``Rollout.logmass`` moves the sampler's log-probs to it).
+LOGPROB_SUPPORT = d.one_of("sampler", "full")
+
+
+#: The domains of ``Truncation``'s fields (``rollout.top_k``, ``rollout.top_p``,
+#: ``rollout.min_p``).
+TOP_K = d.integer(0, note=" (0: off)")
+TOP_P = d.number(0, 1, lo_open=True)
+MIN_P = d.FRACTION_BELOW_1
 
 
 class Truncation(NamedTuple):
@@ -44,6 +58,16 @@ class Truncation(NamedTuple):
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+
+    def check(self) -> Truncation:
+        """``self`` if each field is in its domain (``TOP_K``, ``TOP_P``, ``MIN_P``).
+
+        Raises:
+          ValueError: the first field that is not, as the config check words it.
+        """
+        for name, domain in zip(self._fields, (TOP_K, TOP_P, MIN_P), strict=True):
+            domain.require(f"rollout.{name}", getattr(self, name))
+        return self
 
     @property
     def active(self) -> bool:
@@ -202,10 +226,7 @@ class Generator:
         the real row count; the arguments' rows are padded to the batch shards)."""
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        trunc = self.truncation if truncation is None else Truncation(*truncation)
-        if not 0 <= trunc.top_k or not 0 < trunc.top_p <= 1 or not 0 <= trunc.min_p < 1:
-            raise ValueError(f"truncation out of range: {trunc} (top_k >= 0, "
-                             "0 < top_p <= 1, 0 <= min_p < 1)")
+        trunc = (self.truncation if truncation is None else Truncation(*truncation)).check()
         prompts = list(prompts)
         if not prompts or not all(len(p) for p in prompts):
             raise ValueError(f"need at least one prompt, each of >= 1 token; got prompt "
@@ -249,8 +270,8 @@ class Generator:
           every row).
 
         Raises:
-          ValueError: ``temperature < 0``, a truncation setting out of range, no prompts
-            or an empty one (the values named).
+          ValueError: ``temperature < 0``, a truncation setting out of range
+            (``Truncation.check``), no prompts or an empty one (the values named).
         """
         fn, args, rows, truncated = self._inputs(prompts, key, temperature, truncation)
         out = to_host(fn(params, *args))  # every process reads every row

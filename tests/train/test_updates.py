@@ -195,9 +195,9 @@ def test_micro_batch_gradient_does_not_depend_on_the_split(tiny, aggregation):
         batches = [place_batch(x.arrays(*x.values)) for x in pieces]
         bucket = max(x.bucket(16) for x in pieces)
         refs = [forward(params, b, bucket) - 0.1 for b in batches]
-        args = ((batches[0], refs[0]) if parts == 1 else (tuple(batches), tuple(refs)))
-        _, grads, metrics = step(_copy(params), jax.tree.map(jnp.zeros_like, params), *args,
-                                 packed.num_seqs, bucket, None if parts == 1 else norm)
+        _, grads, metrics = step(_copy(params), jax.tree.map(jnp.zeros_like, params),
+                                 tuple(batches), tuple(refs), packed.num_seqs, bucket,
+                                 None if parts == 1 else norm)
         out[parts] = (grads, metrics)
     (grads1, m1), (grads, m) = out[1], out[4]
     a, b = ({k: np.asarray(g[k], np.float64).ravel() for k in grads1} for g in (grads, grads1))
