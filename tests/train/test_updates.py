@@ -211,6 +211,20 @@ def test_micro_batch_gradient_does_not_depend_on_the_split(tiny, aggregation):
     assert float(m1["clip_fraction"]) > 0 and float(m1["kl"]) > 0
 
 
+def test_micro_batches_without_their_norm_are_refused(tiny):
+    """The step takes one batch type, a tuple of micro-batches; several without the
+    ``LossNorm`` of their mini-batch would each be normalised by its own counts (a
+    gradient that depends on the split): refused, naming the count."""
+    mdef, params, seqs = tiny
+    packed = seqs.pack(np.arange(4), 32, 4)
+    b = place_batch(packed.arrays(*packed.values))
+    step = steps.grpo_step(mdef, _gradient_as_state(), rl_loss.LossConfig(max_completion_len=8),
+                           temperature=1.0)
+    with pytest.raises(ValueError, match="2 micro-batches need the LossNorm"):
+        step(_copy(params), jax.tree.map(jnp.zeros_like, params), (b, b), None, packed.num_seqs,
+             packed.bucket(16))
+
+
 def _lr(opt_state, value):
     """``opt_state`` of ``optax.inject_hyperparams`` with its learning rate set."""
     opt_state.hyperparams["learning_rate"] = jnp.asarray(value, jnp.float32)
