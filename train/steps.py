@@ -238,7 +238,8 @@ def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_los
     mini-batch whole), ``ref_logps`` the reference's log-probs of each (or None without
     the KL penalty), ``norm`` the ``rl_loss.LossNorm`` of the mini-batch (None: one
     micro-batch, its own counts): the gradient and the metrics are the mini-batch's,
-    whatever the split (``_accumulate``).
+    whatever the split (``_accumulate``). Several micro-batches without ``norm`` raise
+    ``ValueError`` (each would be normalised by its own counts).
 
     Besides ``grpo_loss``'s metrics: ``loss``, ``grad_norm``, the sampler-vs-trainer
     log-prob gap on the completion tokens before the update (``logprob_diff_mean``,
