@@ -100,12 +100,12 @@ def main():
         bucket = packed.bucket() if skip else None
         fn = steps.grpo_step(mdef, tx, rl_loss.LossConfig(max_completion_len=args.completion),
                              temperature=1.0, skip=skip)
-        compiled = fn.lower(params, opt_state, b, None, packed.num_seqs, bucket).compile()
+        compiled = fn.lower(params, opt_state, (b,), None, packed.num_seqs, bucket).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
         times = []
         for i in range(args.repeats + 1):
             t0 = time.perf_counter()
-            params, opt_state, m = fn(params, opt_state, b, None, packed.num_seqs, bucket)
+            params, opt_state, m = fn(params, opt_state, (b,), None, packed.num_seqs, bucket)
             jax.block_until_ready(m)
             if i:  # the first call is warm-up
                 times.append(time.perf_counter() - t0)

@@ -138,7 +138,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
               else contextlib.nullcontext())
     with tempfile.TemporaryDirectory() as dump, target:  # the buffer assignment, as text
         start = time.perf_counter()
-        lowered = run.lower(params, opt, batch_of(batch, seq, placement.batch), None, batch,
+        lowered = run.lower(params, opt, (batch_of(batch, seq, placement.batch),), None, batch,
                             bucket)
         try:
             compiled = lowered.compile(

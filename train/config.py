@@ -25,18 +25,13 @@ from ml_collections import ConfigDict
 from models.mesh import AXES
 from models.sharding import DEFAULT_RULES
 from train import domains as d
+from train import optim, rl_loss, rollout, updates
 from train.data import SYSTEM_PROMPT, available_tasks
-from train.domains import EXTENDS, FREE, Key
-from train.optim import DECAYS
-from train.rl_loss import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS
+from train.domains import COUNT, EXTENDS, FREE, NONNEGATIVE, POSITIVE, Key
 
-POSITIVE = d.number(0, lo_open=True)
-NONNEGATIVE = d.number(0)
 DTYPES = d.one_of("float32", "bfloat16")
-OFF_OR_ABOVE_1 = d.Domain("0 (off) or a number > 1",
-                          lambda v: d.number().ok(v) and (v == 0 or v > 1))
 MESH_SIZE = d.Domain("an integer >= 1, or -1 (the remaining devices)",
-                     lambda v: d.integer(1).ok(v) or (d.integer().ok(v) and v == -1))
+                     lambda v: COUNT.ok(v) or (d.integer().ok(v) and v == -1))
 PATH_OR_EMPTY = d.Domain("'' or an existing directory",
                          lambda v: isinstance(v, str) and (not v or Path(v).is_dir()))
 
@@ -53,21 +48,19 @@ def _optim(lr: float, warmup: int) -> dict:
         "lr": Key(lr, POSITIVE),  # peak learning rate
         "warmup_steps": Key(warmup, d.integer(0)),  # linear warmup from 0
         # cosine | linear | constant, to lr * end_lr_ratio
-        "decay": Key("cosine", d.one_of(*DECAYS)),
-        "end_lr_ratio": Key(0.1, d.number(0, 1)),
-        "b1": Key(0.9, d.number(0, 1, hi_open=True)),
-        "b2": Key(0.99, d.number(0, 1, hi_open=True)),
+        "decay": Key("cosine", optim.DECAY),
+        "end_lr_ratio": Key(0.1, d.FRACTION),
+        "b1": Key(0.9, d.FRACTION_BELOW_1),
+        "b2": Key(0.99, d.FRACTION_BELOW_1),
         "eps": Key(1e-8, POSITIVE),
         "weight_decay": Key(0.0, NONNEGATIVE),
         "clip_norm": Key(1.0, POSITIVE),  # global-norm gradient clipping
         # parameter-name prefixes kept fixed (no gradient, no optimiser state), e.g.
         # ("embed_tokens",): with tied embeddings the embedding and the head
-        "frozen": Key((), d.names(note=" (parameter-name prefixes)")),
+        "frozen": Key((), optim.FROZEN),
         # (prefix, multiplier) pairs: those parameters' learning rate is lr * multiplier,
         # e.g. (("norm", 50.0),): the final RMSNorm scale, i.e. the logit scale
-        "lr_multipliers": Key((), d.pairs(
-            lambda p: isinstance(p, str) and bool(p), POSITIVE.ok,
-            "a tuple of (parameter-name prefix, multiplier > 0) pairs, e.g. (('norm', 50.0),)")),
+        "lr_multipliers": Key((), optim.LR_MULTIPLIERS),
     }
 
 
@@ -76,9 +69,9 @@ def _rows(row_len: int, row_multiple: int) -> dict:
     return {
         "row_len": Key(row_len, d.integer(2)),  # tokens per packed row
         # the number of rows is rounded up to a multiple of this
-        "row_multiple": Key(row_multiple, d.integer(1)),
+        "row_multiple": Key(row_multiple, COUNT),
         # head bucket ladder: rungs are multiples of this
-        "bucket_multiple": Key(128, d.integer(1)),
+        "bucket_multiple": Key(128, COUNT),
     }
 
 
@@ -87,7 +80,7 @@ def _nonfinite() -> dict:
     return {
         # an update with a non-finite log-prob, ratio, loss, gradient or update is skipped
         # (named on stderr, counted as nonfinite_updates); this many in a row stop the run
-        "max_nonfinite_updates": Key(8, d.integer(1), resume=FREE),
+        "max_nonfinite_updates": Key(8, COUNT, resume=FREE),
     }
 
 
@@ -128,7 +121,7 @@ def schema() -> d.Schema:
                 "a dict {task name: {dataset config kwarg: value}}")),
             "train_seed": Key(1, d.integer(0)),
             "eval_seed": Key(2, d.integer(0)),
-            "max_prompt_len": Key(128, d.integer(1)),  # longer prompts are skipped and counted
+            "max_prompt_len": Key(128, COUNT),  # longer prompts are skipped and counted
             # added for an exactly well-formed <answer>...</answer>
             "format_reward": Key(0.0, NONNEGATIVE),
             # end prompts with "<answer>" (assistant prefix)
@@ -143,9 +136,9 @@ def schema() -> d.Schema:
         # Supervised warm start (train.sft, or the first stage of train.grpo).
         "sft": {
             "steps": Key(0, d.integer(0, note=" (0: no SFT stage)"), resume=EXTENDS),
-            "batch_size": Key(32, d.integer(1)),  # sequences per step
+            "batch_size": Key(32, COUNT),  # sequences per step
             **_rows(256, 4),
-            "log_every": Key(10, d.integer(1), resume=FREE),
+            "log_every": Key(10, COUNT, resume=FREE),
             **_nonfinite(),
             "optim": _optim(2e-3, 50),
         },
@@ -156,18 +149,18 @@ def schema() -> d.Schema:
         },
 
         "rollout": {
-            "prompts_per_step": Key(16, d.integer(1)),
+            "prompts_per_step": Key(16, COUNT),
             # G completions per prompt (group advantages need two)
             "group_size": Key(8, d.integer(2)),
-            "max_new_tokens": Key(16, d.integer(1)),
+            "max_new_tokens": Key(16, COUNT),
             # > 0: GRPO learns from samples (greedy decoding is for evaluation only)
-            "temperature": Key(1.0, d.number(0, lo_open=True)),
+            "temperature": Key(1.0, POSITIVE),
             # truncated sampling (any combination; full-logits path): the support is
             # {v : l_v >= tau}, recorded per token so that the trainer can score on it
-            "top_k": Key(0, d.integer(0, note=" (0: off)")),  # > 0: the k most likely tokens
-            "top_p": Key(1.0, d.number(0, 1, lo_open=True)),  # < 1: the nucleus of mass top_p
+            "top_k": Key(0, rollout.TOP_K),  # > 0: the k most likely tokens
+            "top_p": Key(1.0, rollout.TOP_P),  # < 1: the nucleus of mass top_p
             # > 0: tokens with p >= min_p * max p
-            "min_p": Key(0.0, d.number(0, 1, hi_open=True)),
+            "min_p": Key(0.0, rollout.MIN_P),
             # models.generate: compact (one prefill per prompt, finished rows leave the
             # batch every decode_chunk steps) | reference (the whole batch to the longest)
             "engine": Key("compact", d.one_of("compact", "reference")),
@@ -176,33 +169,33 @@ def schema() -> d.Schema:
 
         "loss": {
             # grpo (std-normalised) | dr_grpo (mean-centred)
-            "advantage": Key("grpo", d.one_of(*ADVANTAGES)),
+            "advantage": Key("grpo", rl_loss.ADVANTAGE),
             # factor on negative advantages (rl_loss.group_advantages): 1 plain, 0 positive
             # samples only (RAFT)
-            "negative_weight": Key(1.0, d.number(0, 1)),
+            "negative_weight": Key(1.0, rl_loss.NEGATIVE_WEIGHT),
             # clip range (DAPO clip-higher)
-            "eps_low": Key(0.2, d.number(0, 1, hi_open=True)),
+            "eps_low": Key(0.2, d.FRACTION_BELOW_1),
             "eps_high": Key(0.28, NONNEGATIVE),
             "beta": Key(0.0, NONNEGATIVE),  # KL weight; 0 skips the reference forward
-            "kl_estimator": Key("k3", d.one_of(*KL_ESTIMATORS)),
-            "entropy_coef": Key(0.0, d.number()),
-            "aggregation": Key("token-mean", d.one_of(*AGGREGATIONS)),
+            "kl_estimator": Key("k3", rl_loss.KL_ESTIMATOR),
+            "entropy_coef": Key(0.0, d.NUMBER),
+            "aggregation": Key("token-mean", rl_loss.AGGREGATION),
             # a truncated rollout's tokens are scored on: sampler (the support they were
             # drawn from: exact ratio to the behaviour policy) | full (the whole softmax, old
             # log-probs moved to it; the truncated mass is logged)
-            "logprob_support": Key("sampler", d.one_of("sampler", "full")),
+            "logprob_support": Key("sampler", rollout.LOGPROB_SUPPORT),
             # sampler-trainer mismatch corrections (train.rl_loss): 0 = off
             "tis_cap": Key(0.0, NONNEGATIVE),  # truncated importance sampling cap C
             # drop tokens whose ratio leaves the band
-            "mask_ratio_low": Key(0.0, d.number(0, 1, hi_open=True)),
-            "mask_ratio_high": Key(0.0, OFF_OR_ABOVE_1),
+            "mask_ratio_low": Key(0.0, d.FRACTION_BELOW_1),
+            "mask_ratio_high": Key(0.0, rl_loss.OFF_OR_ABOVE_1),
             # the PPO ratio's old policy (train.updates): sampler (the rollout's log-probs) |
             # trainer (one forward on the kept tokens before the first update)
-            "old_logprobs": Key("sampler", d.one_of("sampler", "trainer")),
+            "old_logprobs": Key("sampler", updates.OLD_LOGPROBS),
             # dual-clip bound for negative advantages (> 1; 0 = off)
-            "clip_ratio_c": Key(0.0, OFF_OR_ABOVE_1),
+            "clip_ratio_c": Key(0.0, rl_loss.OFF_OR_ABOVE_1),
             # token | sequence (GSPO's geometric-mean ratio per completion)
-            "ratio_level": Key("token", d.one_of(*RATIO_LEVELS)),
+            "ratio_level": Key("token", rl_loss.RATIO_LEVEL),
         },
 
         "train": {
@@ -214,10 +207,10 @@ def schema() -> d.Schema:
             # each split into mini_batches (whole groups; must divide
             # rollout.prompts_per_step), each update's gradient accumulated over
             # micro_batches (row slices)
-            "updates_per_batch": Key(1, d.integer(1)),
-            "mini_batches": Key(1, d.integer(1)),
-            "micro_batches": Key(1, d.integer(1)),
-            "log_every": Key(1, d.integer(1), resume=FREE),
+            "updates_per_batch": Key(1, COUNT),
+            "mini_batches": Key(1, COUNT),
+            "micro_batches": Key(1, COUNT),
+            "log_every": Key(1, COUNT, resume=FREE),
             **_nonfinite(),
             "optim": _optim(1e-4, 10),
         },
@@ -226,13 +219,13 @@ def schema() -> d.Schema:
         # at the end, keeping the latest `keep` (resume needs the latest only; orbax writes a
         # new one completely before it deletes the old). The SFT stage of train.grpo keeps
         # only its final parameters, without optimiser state, once it has finished.
-        "checkpoint": {"every": Key(50, d.integer(1), resume=FREE),
-                       "keep": Key(1, d.integer(1), resume=FREE)},
+        "checkpoint": {"every": Key(50, COUNT, resume=FREE),
+                       "keep": Key(1, COUNT, resume=FREE)},
 
         "eval": {
-            "size": Key(1024, d.integer(1)),  # held-out problems (distinct question texts)
+            "size": Key(1024, COUNT),  # held-out problems (distinct question texts)
             # completions per problem at the sampling temperature
-            "samples": Key(4, d.integer(1)),
+            "samples": Key(4, COUNT),
             # rows per generation call; 0: as in training rollouts
             "batch": Key(0, d.integer(0)),
             # evaluate the warm start and the final policy
@@ -314,14 +307,6 @@ def _tokenizer(cfg) -> list[tuple[str, str]]:
     return []
 
 
-def _mini_batches(cfg) -> list[tuple[str, str]]:
-    if cfg.rollout.prompts_per_step % cfg.train.mini_batches:
-        why = (f"must divide rollout.prompts_per_step ({cfg.rollout.prompts_per_step}): "
-               "mini-batches hold whole groups")
-        return [("train.mini_batches", why)]
-    return []
-
-
 def _context_rows(cfg) -> list[tuple[str, str]]:
     """Under context parallelism each packed row splits into 2 chunks per context device
     (``models.context.balance_order``)."""
@@ -355,7 +340,7 @@ def _updates_round_away(cfg) -> list[tuple[str, str]]:
 
 #: Constraints between keys, checked once every key is in its domain.
 RELATIONS: list[d.Relation] = [_one_free_axis, _model, _task_kwargs, _tokenizer,
-                               _mini_batches, _context_rows, _updates_round_away]
+                               updates.whole_groups, _context_rows, _updates_round_away]
 
 
 def base_config() -> ConfigDict:

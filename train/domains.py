@@ -12,6 +12,12 @@ A key of the schema is ``Key(default, domain, resume=...)``:
 
 Keys that constrain each other (e.g. at most one mesh axis of size -1) are checked by the
 relations the schema lists beside its keys.
+
+Each rule is stated once: a domain or a relation that a module of ``train`` enforces on its
+own arguments lives in that module (or here, for the common ones such as ``COUNT``), and
+the schema imports it. The module raises through ``Domain.require`` / ``enforce``, so its
+error and the config check's line are one text (``tests/train/test_layout.py`` finds a
+rule stated twice).
 """
 
 from __future__ import annotations
@@ -43,6 +49,17 @@ class Domain:
         except (TypeError, ValueError) as err:
             return str(err)
         return f"must be {self.text}"
+
+    def require(self, key: str, value):
+        """``value`` if it is in the domain.
+
+        Raises:
+          ValueError: ``"{key} = {value!r}: {reason}"``, the line ``check`` gives for it.
+        """
+        why = self.error(value)
+        if why:
+            raise ValueError(f"{key} = {value!r}: {why}")
+        return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +112,7 @@ def number(lo: float | None = None, hi: float | None = None, *, lo_open: bool = 
 
 
 def one_of(*choices: str) -> Domain:
+    """One of the strings ``choices``."""
     return Domain("one of " + ", ".join(map(repr, choices)), lambda v: v in choices)
 
 
@@ -143,6 +161,15 @@ def mapping(ok: Callable[[Mapping], bool], text: str) -> Domain:
     """A dict (a config section of free keys) that passes ``ok``."""
     return Domain(text, lambda v: isinstance(v, Mapping) and ok(v))
 
+
+#: Common domains: a count (of updates, batches, rows, ...), any finite number, a
+#: positive and a non-negative one, a fraction in [0, 1] and one in [0, 1).
+COUNT = integer(1)
+NUMBER = number()
+POSITIVE = number(0, lo_open=True)
+NONNEGATIVE = number(0)
+FRACTION = number(0, 1)
+FRACTION_BELOW_1 = number(0, 1, hi_open=True)
 
 Schema = dict  # name -> Key | Schema
 
@@ -220,7 +247,20 @@ def check(cfg: ConfigDict, schema: Schema, relations: list[Relation]) -> list[st
             lines.append(f"{key} = {value!r}: {why}")
     lines += [f"{key}: not a config key (train/config.py declares every key)"
               for key in undeclared(cfg, schema)]
-    if not lines:
-        for relation in relations:
-            lines += [f"{key} = {value_at(cfg, key)!r}: {why}" for key, why in relation(cfg)]
-    return lines
+    return lines or _findings(cfg, relations)
+
+
+def _findings(cfg: ConfigDict, relations: list[Relation]) -> list[str]:
+    return [f"{key} = {value_at(cfg, key)!r}: {why}"
+            for relation in relations for key, why in relation(cfg)]
+
+
+def enforce(cfg: ConfigDict, relations: list[Relation]) -> None:
+    """Check ``relations`` on ``cfg`` where a module reads their keys.
+
+    Raises:
+      ValueError: their findings, one line each, as ``check`` words them.
+    """
+    lines = _findings(cfg, relations)
+    if lines:
+        raise ValueError("\n".join(lines))

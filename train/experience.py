@@ -8,10 +8,6 @@ import numpy as np
 
 from train import evaluate, rollout, setup, updates
 
-#: ``loss.logprob_support`` values: score a truncated rollout's tokens on the support they
-#: were drawn from, or on the whole softmax.
-LOGPROB_SUPPORTS = ("sampler", "full")
-
 
 def truncation(cfg) -> rollout.Truncation:
     """The rollouts' ``top_k`` / ``top_p`` / ``min_p`` (``cfg.rollout``)."""
@@ -25,12 +21,9 @@ def scored_on_sampler_support(cfg) -> bool:
     or ``loss.logprob_support == "full"``.
 
     Raises:
-      ValueError: ``loss.logprob_support`` not in ``LOGPROB_SUPPORTS``.
+      ValueError: ``loss.logprob_support`` not in ``rollout.LOGPROB_SUPPORT``.
     """
-    support = cfg.loss.logprob_support
-    if support not in LOGPROB_SUPPORTS:
-        raise ValueError(f"loss.logprob_support must be one of {LOGPROB_SUPPORTS}, "
-                         f"got {support!r}")
+    support = rollout.LOGPROB_SUPPORT.require("loss.logprob_support", cfg.loss.logprob_support)
     return support == "sampler" and truncation(cfg).active
 
 

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from train import domains as d
+
 #: What a step checks, in the order a cause is named: the head's log-probs of the loss's
 #: tokens, the PPO ratio on them, the loss, the gradient, the optimizer's update.
 CAUSES = ("logprob", "ratio", "loss", "gradient", "update")
@@ -86,9 +88,7 @@ class Guard:
     """
 
     def __init__(self, limit: int, stage: str, verbose: bool = True):
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"the non-finite update limit must be a positive integer, got "
-                             f"{limit!r}")
+        d.COUNT.require("max_nonfinite_updates", limit)
         self.limit, self.stage, self.verbose = limit, stage, verbose
         self.in_a_row = 0
 

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import optax
 
+from train import domains as d
+
 DECAYS = ("cosine", "linear", "constant")
+#: The domains of an ``optim`` section's keys these functions read (``train/config.py``
+#: declares the keys with them).
+DECAY = d.one_of(*DECAYS)
+FROZEN = d.names(note=" (parameter-name prefixes)")
+LR_MULTIPLIERS = d.pairs(
+    lambda p: isinstance(p, str) and bool(p), d.POSITIVE.ok,
+    "a tuple of (parameter-name prefix, multiplier > 0) pairs, e.g. (('norm', 50.0),)")
 
 
 def schedule(cfg, total_steps: int) -> optax.Schedule:
@@ -15,8 +24,7 @@ def schedule(cfg, total_steps: int) -> optax.Schedule:
     Raises:
       ValueError: unknown ``cfg.decay`` (the valid ones listed).
     """
-    if cfg.decay not in DECAYS:
-        raise ValueError(f"optim.decay must be one of {DECAYS}, got {cfg.decay!r}")
+    DECAY.require("optim.decay", cfg.decay)
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
     end = cfg.lr * cfg.end_lr_ratio
     rest = max(total_steps - warmup, 1)
@@ -35,13 +43,9 @@ def frozen_prefixes(cfg) -> tuple[str, ...]:
     """The ``frozen`` parameter-name prefixes of an ``optim`` section (a tuple of names).
 
     Raises:
-      ValueError: an entry that is not a non-empty name.
+      ValueError: not in ``FROZEN`` (an entry that is not a non-empty name).
     """
-    frozen = cfg.get("frozen", ())
-    if isinstance(frozen, str) or not all(isinstance(p, str) and p for p in frozen):
-        raise ValueError(f"optim.frozen is a tuple of parameter-name prefixes, e.g. "
-                         f"('embed_tokens',), got {frozen!r}")
-    return tuple(frozen)
+    return tuple(FROZEN.require("optim.frozen", d.plain(cfg.get("frozen", ()))))
 
 
 def is_frozen(name: str, frozen: tuple[str, ...]) -> bool:
@@ -54,12 +58,9 @@ def per_update(steps_schedule: optax.Schedule, updates_per_step: int) -> optax.S
     update of step ``s`` (from 1) applies ``steps_schedule(s - 1)``, the rate the loop logs.
 
     Raises:
-      ValueError: ``updates_per_step`` not a positive integer.
+      ValueError: ``updates_per_step`` not in ``domains.COUNT``.
     """
-    if isinstance(updates_per_step, bool) or not isinstance(updates_per_step, int) or (
-            updates_per_step < 1):
-        raise ValueError(f"updates_per_step must be a positive integer, got "
-                         f"{updates_per_step!r}")
+    d.COUNT.require("updates_per_step", updates_per_step)
     if updates_per_step == 1:
         return steps_schedule
     return lambda count: steps_schedule(count // updates_per_step)
@@ -140,14 +141,7 @@ def lr_multipliers(cfg) -> tuple[tuple[str, float], ...]:
     (e.g. ``(("norm", 30.0), ("layers.0", 2.0))``).
 
     Raises:
-      ValueError: a malformed entry (named).
+      ValueError: not in ``LR_MULTIPLIERS``.
     """
-    out = []
-    for item in cfg.get("lr_multipliers", ()):
-        ok = (not isinstance(item, str) and len(item) == 2 and isinstance(item[0], str)
-              and item[0] and isinstance(item[1], (int, float)))
-        if not ok:
-            raise ValueError(f"optim.lr_multipliers entries are (prefix, multiplier) pairs, "
-                             f"e.g. ('norm', 50.0), got {item!r}")
-        out.append((item[0], float(item[1])))
-    return tuple(out)
+    pairs = LR_MULTIPLIERS.require("optim.lr_multipliers", cfg.get("lr_multipliers", ()))
+    return tuple((prefix, float(m)) for prefix, m in pairs)

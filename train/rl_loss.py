@@ -66,10 +66,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from train import domains as d
+
 ADVANTAGES = ("grpo", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 RATIO_LEVELS = ("token", "sequence")
+#: The domains of the ``loss`` keys these functions take (``train/config.py`` declares the
+#: keys with them; the functions' errors are the config check's lines).
+ADVANTAGE = d.one_of(*ADVANTAGES)
+KL_ESTIMATOR = d.one_of(*KL_ESTIMATORS)
+AGGREGATION = d.one_of(*AGGREGATIONS)
+RATIO_LEVEL = d.one_of(*RATIO_LEVELS)
+NEGATIVE_WEIGHT = d.FRACTION
+OFF_OR_ABOVE_1 = d.Domain("0 (off) or a number > 1",
+                          lambda v: d.NUMBER.ok(v) and (v == 0 or v > 1))
 #: The bound on a log-ratio (module docstring, "Bounded ratios"): ``e^20 = 4.9e8``.
 MAX_LOG_RATIO = 20.0
 
@@ -126,11 +137,6 @@ class LossNorm(NamedTuple):
                    np.float32(num_seqs), real)
 
 
-def _check(name, value, allowed):
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-
-
 def group_advantages(rewards: np.ndarray, kind: str = "grpo", eps: float = 1e-6,
                      negative_weight: float = 1.0) -> np.ndarray:
     """Group-relative advantages.
@@ -156,9 +162,8 @@ def group_advantages(rewards: np.ndarray, kind: str = "grpo", eps: float = 1e-6,
       ValueError: unknown ``kind``, rewards not 2-D, or ``negative_weight`` outside
         ``[0, 1]``.
     """
-    _check("advantage kind", kind, ADVANTAGES)
-    if not 0.0 <= negative_weight <= 1.0:
-        raise ValueError(f"loss.negative_weight must be in [0, 1], got {negative_weight!r}")
+    ADVANTAGE.require("loss.advantage", kind)
+    NEGATIVE_WEIGHT.require("loss.negative_weight", negative_weight)
     r = np.asarray(rewards, np.float64)
     if r.ndim != 2:
         raise ValueError(f"rewards must be [prompts, group], got shape {r.shape}")
@@ -182,7 +187,7 @@ def kl_estimate(logp: jax.Array, ref_logp: jax.Array, kind: str) -> jax.Array:
     to 10, whose remainder is below 1e-9 relative; beyond, ``expm1(d) - d`` loses at most
     3 bits. k3 is never negative.
     """
-    _check("kl estimator", kind, KL_ESTIMATORS)
+    KL_ESTIMATOR.require("loss.kl_estimator", kind)
     d = ref_logp - logp
     if kind == "k1":
         return -d
@@ -212,7 +217,7 @@ def aggregate(per_token: jax.Array, mask: jax.Array, seq_index: jax.Array, num_s
       norm: this batch is a part of a larger one whose counts these are (``LossNorm``):
         the result is this part's share of the larger batch's value. None: the batch alone.
     """
-    _check("loss aggregation", mode, AGGREGATIONS)
+    AGGREGATION.require("loss.aggregation", mode)
     x = jnp.where(mask > 0, per_token * mask, 0.0)  # a NaN off the mask never gets in
     if mode == "token-mean":
         return x.sum() / jnp.maximum(mask.sum() if norm is None else norm.tokens, 1.0)
@@ -279,13 +284,12 @@ class LossConfig(NamedTuple):
         """``self`` if its dual-clip and ratio settings are valid.
 
         Raises:
-          ValueError: ``clip_ratio_c`` neither 0 nor > 1, or ``ratio_level`` not in
-            ``RATIO_LEVELS`` (the config key and the value named).
+          ValueError: ``clip_ratio_c`` not in ``OFF_OR_ABOVE_1``, or ``ratio_level`` not
+            in ``RATIO_LEVELS`` (the config key and the value named, as the config check
+            words it).
         """
-        if not (self.clip_ratio_c == 0 or self.clip_ratio_c > 1):
-            raise ValueError(f"loss.clip_ratio_c must be 0 (off) or > 1, got "
-                             f"{self.clip_ratio_c!r}")
-        _check("loss.ratio_level", self.ratio_level, RATIO_LEVELS)
+        OFF_OR_ABOVE_1.require("loss.clip_ratio_c", self.clip_ratio_c)
+        RATIO_LEVEL.require("loss.ratio_level", self.ratio_level)
         return self
 
 

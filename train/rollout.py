@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.generate import IMPLEMENTATIONS, CompactEngine, Decoding, Truncation, Work, reference
+from models.generate import IMPLEMENTATIONS, CompactEngine, Decoding, Work, reference
+from models.generate import Truncation as EngineTruncation
+from train import domains as d
 from train.placement import Placement, place_batch, to_host
 from train.state import ModelDef, Params
 
@@ -39,6 +41,36 @@ __all__ = ["PATH_GUMBEL", "PATH_TRUNCATED", "Generator", "Rollout", "Truncation"
 #: The ``sampling_path`` metric: which sampler drew a rollout's tokens.
 PATH_GUMBEL = "chunked_gumbel_max"  # jaxhead's chunked Gumbel-max: no [B, V] logits
 PATH_TRUNCATED = "full_logits_truncated"  # top-k / top-p / min-p from full float32 logits
+
+
+#: ``loss.logprob_support``'s domain: the trainer scores a truncated rollout's tokens on
+#: the support they were drawn from (``Rollout.min_logit``) or on the whole softmax
+#: (``Rollout.logmass`` moves the sampler's log-probs to it).
+LOGPROB_SUPPORT = d.one_of("sampler", "full")
+
+
+#: The domains of ``Truncation``'s fields (``rollout.top_k``, ``rollout.top_p``,
+#: ``rollout.min_p``).
+TOP_K = d.integer(0, note=" (0: off)")
+TOP_P = d.number(0, 1, lo_open=True)
+MIN_P = d.FRACTION_BELOW_1
+
+
+class Truncation(EngineTruncation):
+    """``models.generate.Truncation`` (``top_k``, ``top_p``, ``min_p``; 0, 1, 0: off) with
+    the check of its fields' domains."""
+
+    __slots__ = ()
+
+    def check(self) -> Truncation:
+        """``self`` if each field is in its domain (``TOP_K``, ``TOP_P``, ``MIN_P``).
+
+        Raises:
+          ValueError: the first field that is not, as the config check words it.
+        """
+        for name, domain in zip(self._fields, (TOP_K, TOP_P, MIN_P), strict=True):
+            domain.require(f"rollout.{name}", getattr(self, name))
+        return self
 
 
 class Rollout(NamedTuple):
@@ -165,10 +197,7 @@ class Generator:
         call, checked (``U'``: the prompts padded to a multiple of the batch shards)."""
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        trunc = self.truncation if truncation is None else Truncation(*truncation)
-        if not 0 <= trunc.top_k or not 0 < trunc.top_p <= 1 or not 0 <= trunc.min_p < 1:
-            raise ValueError(f"truncation out of range: {trunc} (top_k >= 0, "
-                             "0 < top_p <= 1, 0 <= min_p < 1)")
+        trunc = (self.truncation if truncation is None else Truncation(*truncation)).check()
         if not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int, got {group_size!r}")
         prompts = list(prompts)
@@ -251,8 +280,9 @@ class Generator:
           reads every row).
 
         Raises:
-          ValueError: ``temperature < 0``, a truncation setting out of range, no prompts
-            or an empty one, a bad ``group_size`` or budget (the values named).
+          ValueError: ``temperature < 0``, a truncation setting out of range
+            (``Truncation.check``), no prompts or an empty one, a bad ``group_size`` or
+            budget (the values named).
         """
         padded, lens, budgets, truncated, trunc = self._inputs(
             prompts, temperature, truncation, group_size, max_new_tokens)

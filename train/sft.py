@@ -16,6 +16,7 @@ import numpy as np
 from absl import app
 
 from train import cli, export, nonfinite, packing, setup, steps
+from train import domains as d
 from train.loop import Loop, Stage
 from train.placement import place_batch
 from train.state import Params
@@ -78,8 +79,10 @@ def run_sft(cfg, s: setup.Setup, *, final_params_only: bool = False) -> Params:
 def train(cfg, config_file: str | None = None) -> None:
     """``python -m train.sft``: the SFT stage alone (``sft.steps > 0``); its final
     checkpoint keeps the optimiser state (a later run may train it further)."""
-    if cfg.sft.steps <= 0:
-        raise app.UsageError("sft.steps must be > 0")
+    try:
+        d.COUNT.require("sft.steps", cfg.sft.steps)
+    except ValueError as err:
+        raise app.UsageError(f"{err} (train.sft runs the SFT stage alone)") from err
     s = setup.start(cfg)
     if s.writer.enabled:
         print(setup.banner(cfg, s, "train.sft", config_file), flush=True)

@@ -192,18 +192,25 @@ def _combine(total: dict, part: dict) -> dict:
 
 
 def _accumulate(loss_fn, params, batches, refs, norm, num_seqs, bucket):
-    """``(grads, metrics, logps)`` of micro-batches ``batches`` (a tuple of packed batches
-    with the same shapes): their gradients summed in float32 over a ``lax.scan`` (one
-    micro-batch's activations live at a time), each normalised over the whole mini-batch
-    (``norm``), so the sum is the mini-batch's gradient whatever the split."""
+    """``(grads, metrics, logps)`` of a mini-batch given as micro-batches ``batches`` (a
+    tuple of packed batches with the same shapes): their gradients summed in float32 over
+    a ``lax.scan`` (one micro-batch's activations live at a time), each normalised over
+    the whole mini-batch (``norm``), so the sum is the mini-batch's gradient whatever the
+    split. One micro-batch (``norm`` None: its own counts) is the plain gradient."""
     parts = len(batches)
-    xs = (jax.tree.map(lambda *x: jnp.stack(x), *batches),
-          None if refs is None else jnp.stack(refs))
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def part(params, b, ref):
         (loss, (metrics, logp)), grads = grad_fn(params, b, ref, num_seqs, bucket, norm)
         return grads, {**metrics, "loss": loss, **_gap_metrics(logp, b, norm)}, logp
+
+    if parts == 1:
+        grads, metrics, logp = part(params, batches[0], None if refs is None else refs[0])
+        return grads, metrics, (logp,)
+    if norm is None:
+        raise ValueError(f"{parts} micro-batches need the LossNorm of their mini-batch")
+    xs = (jax.tree.map(lambda *x: jnp.stack(x), *batches),
+          None if refs is None else jnp.stack(refs))
 
     def body(carry, x):
         grads, metrics, logp = part(params, *x)
@@ -221,15 +228,18 @@ def _accumulate(loss_fn, params, batches, refs, norm, num_seqs, bucket):
 def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_loss.LossConfig,
               placement: Placement | None = None, *, temperature: float, skip: bool = True,
               frozen: tuple[str, ...] = (), return_logp: bool = False):
-    """Jitted ``(params, opt_state, batch, ref_logp | None, num_seqs, bucket, norm=None) ->
-    (params, opt_state, metrics)`` (with ``return_logp`` also the trainer's log-probs of
-    the batch before the update, as ``batch``'s ``loss_mask``); ``num_seqs`` and
-    ``bucket`` are static, ``params`` and ``opt_state`` donated. One optimizer step.
+    """Jitted ``(params, opt_state, batches, ref_logps | None, num_seqs, bucket, norm=None)
+    -> (params, opt_state, metrics)`` (with ``return_logp`` also ``logps``, the trainer's
+    log-probs of each micro-batch before the update, as its ``loss_mask``); ``num_seqs``
+    and ``bucket`` are static, ``params`` and ``opt_state`` donated. One optimizer step on
+    one mini-batch.
 
-    ``batch`` is one packed batch (``ref_logp`` an array or None), or gradient
-    accumulation: a tuple of micro-batches of one shape (``ref_logp`` a tuple too, or
-    None) with ``norm``, the ``rl_loss.LossNorm`` of the mini-batch they split: the
-    gradient and the metrics are the mini-batch's, whatever the split (``_accumulate``).
+    ``batches`` is the mini-batch as a tuple of micro-batches of one shape (one: the
+    mini-batch whole), ``ref_logps`` the reference's log-probs of each (or None without
+    the KL penalty), ``norm`` the ``rl_loss.LossNorm`` of the mini-batch (None: one
+    micro-batch, its own counts): the gradient and the metrics are the mini-batch's,
+    whatever the split (``_accumulate``). Several micro-batches without ``norm`` raise
+    ``ValueError`` (each would be normalised by its own counts).
 
     Besides ``grpo_loss``'s metrics: ``loss``, ``grad_norm``, the sampler-vs-trainer
     log-prob gap on the completion tokens before the update (``logprob_diff_mean``,
@@ -241,17 +251,12 @@ def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_los
     """
     loss_fn = grpo_loss_fn(mdef, loss_cfg, temperature, skip, frozen)
 
-    def step(params, opt_state, b, ref_logp, num_seqs, bucket, norm=None):
-        if isinstance(b, dict):
-            (loss, (metrics, logp)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                params, b, ref_logp, num_seqs, bucket)
-            metrics = {**metrics, "loss": loss, **_gap_metrics(logp, b)}
-        else:
-            grads, metrics, logp = _accumulate(loss_fn, params, b, ref_logp, norm, num_seqs,
-                                               bucket)
+    def step(params, opt_state, batches, ref_logps, num_seqs, bucket, norm=None):
+        grads, metrics, logps = _accumulate(loss_fn, params, batches, ref_logps, norm,
+                                            num_seqs, bucket)
         params, opt_state, metrics = _apply(tx, params, opt_state, grads, metrics["loss"],
                                             metrics)
-        return (params, opt_state, metrics) + ((logp,) if return_logp else ())
+        return (params, opt_state, metrics) + ((logps,) if return_logp else ())
 
     def out_shardings():
         return placement.update_shardings(tx) + ((placement.batch,) if return_logp else ())

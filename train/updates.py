@@ -45,18 +45,26 @@ import time
 import jax
 import numpy as np
 
+from train import domains as d
 from train import packing, rl_loss, steps
 from train.placement import Placement, place_batch, to_host
 
-#: ``loss.old_logprobs`` values (module docstring).
-OLD_LOGPROBS = ("sampler", "trainer")
+#: ``loss.old_logprobs``'s domain (module docstring).
+OLD_LOGPROBS = d.one_of("sampler", "trainer")
+#: The counts ``Schedule.from_config`` reads.
+COUNTS = ("train.updates_per_batch", "train.mini_batches", "train.micro_batches")
 _SHUFFLE_STREAM = 1 << 30  # fold_in offset of the shuffles: far from the decode steps
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
+def whole_groups(cfg) -> list[tuple[str, str]]:
+    """The relation of ``train.mini_batches`` to ``rollout.prompts_per_step`` (a config
+    relation, ``train.config.RELATIONS``): a mini-batch holds whole groups (module
+    docstring), so the mini-batches divide the prompts."""
+    prompts = cfg.rollout.prompts_per_step
+    if prompts % cfg.train.mini_batches:
+        why = f"must divide rollout.prompts_per_step ({prompts}): mini-batches hold whole groups"
+        return [("train.mini_batches", why)]
+    return []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +75,7 @@ class Schedule:
       epochs: passes over the rollout (``train.updates_per_batch``).
       mini_batches: optimizer steps per pass (``train.mini_batches``).
       micro_batches: parts each step's gradient is accumulated over (``train.micro_batches``).
-      old_logprobs: one of ``OLD_LOGPROBS`` (``loss.old_logprobs``).
+      old_logprobs: in ``OLD_LOGPROBS`` (``loss.old_logprobs``).
     """
 
     epochs: int = 1
@@ -80,22 +88,14 @@ class Schedule:
         """The schedule of ``cfg.train`` / ``cfg.loss``.
 
         Raises:
-          ValueError: a count that is not a positive integer, ``rollout.prompts_per_step``
-            not divisible by ``train.mini_batches``, or an unknown ``loss.old_logprobs``
-            (each naming the key and the value).
+          ValueError: a count not in ``domains.COUNT``, an unknown ``loss.old_logprobs``,
+            or ``rollout.prompts_per_step`` not divisible by ``train.mini_batches``
+            (``whole_groups``), as the config check words it.
         """
-        t = cfg.train
-        mini = _positive_int("train.mini_batches", t.mini_batches)
-        prompts = cfg.rollout.prompts_per_step
-        if prompts % mini:
-            raise ValueError(f"train.mini_batches={mini} must divide "
-                             f"rollout.prompts_per_step={prompts} (groups are kept whole)")
-        if cfg.loss.old_logprobs not in OLD_LOGPROBS:
-            raise ValueError(f"loss.old_logprobs must be one of {OLD_LOGPROBS}, got "
-                             f"{cfg.loss.old_logprobs!r}")
-        return cls(_positive_int("train.updates_per_batch", t.updates_per_batch), mini,
-                   _positive_int("train.micro_batches", t.micro_batches),
-                   cfg.loss.old_logprobs)
+        counts = [d.COUNT.require(key, d.value_at(cfg, key)) for key in COUNTS]
+        old = OLD_LOGPROBS.require("loss.old_logprobs", cfg.loss.old_logprobs)
+        d.enforce(cfg, [whole_groups])
+        return cls(*counts, old)
 
     def mini_batch_groups(self, num_groups: int, key: jax.Array) -> list[list[np.ndarray]]:
         """``[epoch][mini-batch]``: the (sorted) group indices of each mini-batch."""
@@ -192,6 +192,29 @@ class StepReport:
     seconds: dict[str, float]
 
 
+@dataclasses.dataclass
+class MiniBatch:
+    """The batch of one optimizer update.
+
+    Attributes:
+      ids: the completions it holds (whole groups).
+      packed: their packing.
+      parts: its micro-batches: row slices of ``packed``, all of one shape.
+      norm: the counts every part is normalised by (``rl_loss.LossNorm`` of ``packed``);
+        None for one part (its own counts).
+      batches: the parts on the devices with their ``trainer_logp`` when the loss takes
+        one (None until placed).
+      ref_logps: the reference's log-probs of each part (``loss.beta > 0``), or None.
+    """
+
+    ids: np.ndarray
+    packed: packing.PackedBatch
+    parts: list[packing.PackedBatch]
+    norm: rl_loss.LossNorm | None
+    batches: tuple[dict, ...] | None = None
+    ref_logps: tuple | None = None
+
+
 class Updater:
     """The updates of one GRPO step (module docstring), with the jitted update and forward
     it owns for the run.
@@ -213,12 +236,16 @@ class Updater:
         self.loss, self.placement, self.schedule = loss_cfg, placement, schedule
         self.skip, self.row_len = skip, row_len
         self.row_multiple, self.bucket_multiple = row_multiple, bucket_multiple
-        # sampler log-probs with a correction over several epochs: the trainer's are
-        # recorded at a token's first update (NaN until then: rl_loss uses its own)
-        self.first_visit = (schedule.old_logprobs == "sampler" and loss_cfg.corrects_mismatch
-                            and schedule.epochs > 1)
+        # where the PPO ratio's old policy comes from (module docstring): a forward before
+        # the first update, or (sampler log-probs corrected over several epochs) the
+        # update that first sees a token, NaN until then (rl_loss uses its own); else the
+        # sampler's, nothing to record
+        self.old_policy_forward = schedule.old_logprobs == "trainer"
+        self.record_first_seen = (schedule.old_logprobs == "sampler"
+                                  and loss_cfg.corrects_mismatch and schedule.epochs > 1)
         self.step = steps.grpo_step(mdef, tx, loss_cfg, placement, temperature=temperature,
-                                    skip=skip, frozen=frozen, return_logp=self.first_visit)
+                                    skip=skip, frozen=frozen,
+                                    return_logp=self.record_first_seen)
         self.forward = steps.reference_logprobs(mdef, placement, temperature=temperature,
                                                 skip=skip)
 
@@ -230,12 +257,12 @@ class Updater:
     def _place(self, piece: packing.PackedBatch) -> dict:
         return place_batch(piece.arrays(*piece.values), self.placement.mesh)
 
-    def layout(self, seqs: Sequences, key: jax.Array):
-        """``(ids, packs, pieces, bucket)`` of a step: the completions of each mini-batch
-        ``ids[epoch][m]``, its packing ``packs[epoch][m]`` (one epoch only when there is
-        one mini-batch: every epoch is the same batch), its micro-batches
-        ``pieces[epoch][m][u]`` (row slices, all of one shape) and the head's bucket they
-        all use (None without ``skip``: the head runs on every position)."""
+    def layout(self, seqs: Sequences, key: jax.Array
+               ) -> tuple[list[list[MiniBatch]], int | None]:
+        """``(plan, bucket)`` of a step: ``plan[epoch][m]`` the ``MiniBatch`` of each update
+        (with one mini-batch every epoch's is the same object: the same batch), and the
+        head's bucket every micro-batch uses (None without ``skip``: the head runs on
+        every position)."""
         sched, micro = self.schedule, self.schedule.micro_batches
         ids = [[seqs.members(g) for g in epoch]
                for epoch in sched.mini_batch_groups(seqs.num_groups, key)]
@@ -243,57 +270,51 @@ class Updater:
         unit = micro * self.row_multiple
         need = max(seqs.rows_needed(i, self.row_len) for epoch in distinct for i in epoch)
         rows = -(-need // unit) * unit
-        packs = [[seqs.pack(i, self.row_len, rows) for i in epoch] for epoch in distinct]
         r = rows // micro
-        pieces = [[[p.rows(u * r, (u + 1) * r) for u in range(micro)] for p in epoch]
-                  for epoch in packs]
-        every = [x for epoch in pieces for mini in epoch for x in mini]
+
+        def mini_batch(i):
+            p = seqs.pack(i, self.row_len, rows)
+            norm = None if micro == 1 else rl_loss.LossNorm.of(
+                p.loss_mask, p.seq_index, p.num_seqs, p.segment_ids)
+            return MiniBatch(i, p, [p.rows(u * r, (u + 1) * r) for u in range(micro)], norm)
+
+        plan = [[mini_batch(i) for i in epoch] for epoch in distinct]
+        every = [x for epoch in plan for mb in epoch for x in mb.parts]
         # never more slots than a piece's completions can fill (its sequences x the
         # longest completion): full-length completions fill the bucket exactly
         bucket = (max(self.placement.bucket(x, self.bucket_multiple, self._max_kept(x))
                       for x in every) if self.skip else None)
-        return ids, packs, pieces, bucket
+        return plan * (sched.epochs // len(plan)), bucket
 
     def __call__(self, params, opt_state, seqs: Sequences, key: jax.Array,
                  ref_params=None) -> tuple[object, object, StepReport]:
         """Run the step's updates on ``seqs`` (``key``: the step's PRNG key, for the
         shuffles; ``ref_params``: the reference policy, needed when ``loss.beta > 0``).
         Returns ``(params, opt_state, StepReport)``; ``params`` and ``opt_state`` are
-        donated."""
+        donated.
+
+        DeepSeekMath's GRPO (Algorithm 1) for one batch of rollouts: the reference's and
+        the old policy's log-probs, then ``mu`` epochs over the batch, each a pass over
+        its mini-batches, each one optimizer update whose gradient is accumulated over
+        its micro-batches (inside the jitted step)."""
         t0 = time.perf_counter()
-        sched, micro = self.schedule, self.schedule.micro_batches
-        ids, packs, pieces, bucket = self.layout(seqs, key)
-        repacked = len(packs) > 1  # later epochs packed differently: values per completion
-        placed, refs, carried = self._first_epoch(params, ref_params, ids[0], packs[0],
-                                                  pieces[0], bucket, repacked)
+        plan, bucket = self.layout(seqs, key)
+        carried = self._before_updates(params, ref_params, plan, bucket)
         t1 = time.perf_counter()
         reports = []
-        for epoch in range(sched.epochs):
-            for m in range(sched.mini_batches):
-                packed = packs[epoch if repacked else 0][m]
-                if epoch and repacked:
-                    batches, ref = self._later(packed, pieces[epoch][m], ids[epoch][m],
-                                               carried)
-                else:
-                    batches, ref = placed[m], refs and refs[m]
-                norm = None if micro == 1 else rl_loss.LossNorm.of(
-                    packed.loss_mask, packed.seq_index, packed.num_seqs, packed.segment_ids)
-                args = ((batches[0], ref and ref[0]) if micro == 1 else
-                        (tuple(batches), ref and tuple(ref)))
-                out = self.step(params, opt_state, *args, packed.num_seqs, bucket, norm)
-                params, opt_state, metrics = out[:3]
-                if self.first_visit and epoch == 0:  # the trainer's log-probs, first seen
-                    logps = out[3] if micro > 1 else (out[3],)
-                    if repacked:
-                        carried.setdefault("trainer_logp", {}).update(
-                            self._per_completion([ids[0][m]], [packed], [logps]))
-                    else:  # the later epochs run on these very batches
-                        for b, logp in zip(placed[m], logps, strict=True):
-                            b["trainer_logp"] = logp
-                reports.append(((epoch + 1, m + 1), metrics))
+        for epoch, minis in enumerate(plan, 1):
+            for m, mb in enumerate(minis, 1):
+                if mb.batches is None:  # a later epoch's reshuffled mini-batch
+                    self._place_carried(mb, carried)
+                params, opt_state, metrics, *logps = self.step(
+                    params, opt_state, mb.batches, mb.ref_logps, mb.packed.num_seqs, bucket,
+                    mb.norm)
+                if logps and epoch == 1:  # the trainer's log-probs of the rollout policy
+                    self._record_first_seen(mb, logps[0], carried)
+                reports.append(((epoch, m), metrics))
         reports = jax.device_get(reports)  # waits for the updates
         t2 = time.perf_counter()
-        first = [x for mini in pieces[0] for x in mini]
+        first = [x for mb in plan[0] for x in mb.parts]
         report = StepReport(
             reports, first[0].tokens.shape[0], self.skip, bucket,
             positions=sum(x.loss_mask.size for x in first),
@@ -303,56 +324,63 @@ class Updater:
             seconds={"reference": t1 - t0, "train": t2 - t1})
         return params, opt_state, report
 
-    def _first_epoch(self, params, ref_params, ids, packs, pieces, bucket, repacked):
-        """Epoch 1's micro-batches on the devices with the forwards before the first
-        update: ``(placed[m][u], refs[m][u] | None, carried)``, ``carried`` the
-        trainer-side values per completion for the later epochs when they are packed
-        differently (``repacked``)."""
-        placed = [[self._place(x) for x in mini] for mini in pieces]
-        refs = None
-        if self.loss.beta > 0:
-            refs = [[self.forward(ref_params, b, bucket) for b in mini] for mini in placed]
-        for b in (b for mini in placed for b in mini):
-            if self.schedule.old_logprobs == "trainer":
-                b["trainer_logp"] = self.forward(params, b, bucket)
-            elif self.first_visit:
-                b["trainer_logp"] = self._place_array(
-                    np.full(b["loss_mask"].shape, np.nan, np.float32))
-        jax.block_until_ready((placed, refs))
+    def _before_updates(self, params, ref_params, plan, bucket) -> dict | None:
+        """Place epoch 1's mini-batches with the forwards before the first update (the
+        reference's; the old policy's with ``loss.old_logprobs="trainer"``; NaN for the
+        log-probs recorded at a token's first update). Returns the values later epochs
+        carry per completion (name -> completion -> its tokens' values) when they are
+        packed afresh (reshuffled mini-batches), else None."""
+        for mb in plan[0]:
+            mb.batches = tuple(self._place(x) for x in mb.parts)
+            if self.loss.beta > 0:
+                mb.ref_logps = tuple(self.forward(ref_params, b, bucket) for b in mb.batches)
+            for b in mb.batches:
+                if self.old_policy_forward:
+                    b["trainer_logp"] = self.forward(params, b, bucket)
+                elif self.record_first_seen:
+                    b["trainer_logp"] = self._place_array(
+                        np.full(b["loss_mask"].shape, np.nan, np.float32))
+        jax.block_until_ready([(mb.batches, mb.ref_logps) for mb in plan[0]])
+        if all(mb.batches is not None for epoch in plan for mb in epoch):
+            return None
         carried: dict[str, dict[int, np.ndarray]] = {}
-        if repacked and refs is not None:
-            carried["ref_logp"] = self._per_completion(ids, packs, refs)
-        if repacked and self.schedule.old_logprobs == "trainer":
-            carried["trainer_logp"] = self._per_completion(
-                ids, packs, [[b["trainer_logp"] for b in mini] for mini in placed])
-        return placed, refs, carried
+        for mb in plan[0]:
+            if mb.ref_logps is not None:
+                carried.setdefault("ref_logp", {}).update(
+                    self._per_completion(mb, mb.ref_logps))
+            if self.old_policy_forward:
+                carried.setdefault("trainer_logp", {}).update(
+                    self._per_completion(mb, [b["trainer_logp"] for b in mb.batches]))
+        return carried
+
+    def _record_first_seen(self, mb: MiniBatch, logps, carried: dict | None) -> None:
+        """Keep the trainer's log-probs of ``mb``'s tokens before its first update: on its
+        batches (the later epochs of one mini-batch run on them) and per completion when
+        later epochs are packed afresh."""
+        for b, logp in zip(mb.batches, logps, strict=True):
+            b["trainer_logp"] = logp
+        if carried is not None:
+            carried.setdefault("trainer_logp", {}).update(self._per_completion(mb, logps))
 
     def _place_array(self, x: np.ndarray):
         return place_batch({"x": x}, self.placement.mesh)["x"]
 
     @staticmethod
-    def _per_completion(ids, packs, arrays) -> dict[int, np.ndarray]:
-        """Completion index -> its tokens' values, from the micro-batch arrays
-        ``arrays[m][u]`` of mini-batches ``packs[m]`` holding completions ``ids[m]``."""
-        out = {}
-        for mini_ids, packed, parts in zip(ids, packs, arrays, strict=True):
-            whole = np.concatenate([np.asarray(a) for a in to_host(list(parts))])
-            for k, v in zip(mini_ids, packed.per_sequence(whole), strict=True):
-                out[int(k)] = v
-        return out
+    def _per_completion(mb: MiniBatch, arrays) -> dict[int, np.ndarray]:
+        """Completion index -> its tokens' values, from the arrays of ``mb``'s parts."""
+        whole = np.concatenate([np.asarray(a) for a in to_host(list(arrays))])
+        return {int(k): v for k, v in zip(mb.ids, mb.packed.per_sequence(whole), strict=True)}
 
-    def _later(self, packed, pieces, ids, carried) -> tuple[list[dict], list | None]:
-        """A later epoch's micro-batches of mini-batch ``packed`` (completions ``ids``)
-        with the carried values placed in its packing; and the reference's log-probs."""
-        batches = [self._place(x) for x in pieces]
-        refs = None
-        r = pieces[0].tokens.shape[0]
+    def _place_carried(self, mb: MiniBatch, carried: dict) -> None:
+        """Place a later epoch's mini-batch ``mb`` with the carried values in its packing."""
+        mb.batches = tuple(self._place(x) for x in mb.parts)
+        r = mb.parts[0].tokens.shape[0]
         for name, store in carried.items():
-            whole = packed.place([store[int(i)] for i in ids])
-            parts = [self._place_array(whole[u * r:(u + 1) * r]) for u in range(len(pieces))]
+            whole = mb.packed.place([store[int(i)] for i in mb.ids])
+            parts = tuple(self._place_array(whole[u * r:(u + 1) * r])
+                          for u in range(len(mb.parts)))
             if name == "ref_logp":
-                refs = parts
+                mb.ref_logps = parts
             else:
-                for b, x in zip(batches, parts, strict=True):
+                for b, x in zip(mb.batches, parts, strict=True):
                     b[name] = x
-        return batches, refs

@@ -59,7 +59,7 @@ def grpo_step_case() -> dict:
         b = place_batch(packed.arrays("old_logp", "advantages"), mesh)
         bucket = placement.bucket(packed, 16) if placement else packed.bucket(16)
         ref = forward(p, b, bucket)
-        new, opt, m = step(p, opt, b, ref, packed.num_seqs, bucket)
+        new, opt, m = step(p, opt, (b,), (ref,), packed.num_seqs, bucket)
         p, opt_m = fresh()
         bs = tuple(place_batch(x.arrays("old_logp", "advantages"), mesh) for x in micro)
         bucket_m = max(placement.bucket(x, 16) if placement else x.bucket(16) for x in micro)

@@ -9,10 +9,12 @@ import json
 import subprocess
 import sys
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from tests.support import ROOT
-from train import config, resume, setup
+from train import config, experience, optim, resume, rl_loss, setup, updates
 from train.cli import load_config
 from train.domains import keys
 
@@ -238,3 +240,36 @@ def test_an_unknown_op_name_is_named_before_any_work():
     problems = config.check(cfg)
     assert len(problems) == 1 and problems[0].startswith("model.overrides = ")
     assert "'nope'" in problems[0], problems
+
+
+def _module_error(call) -> str:
+    with pytest.raises(ValueError) as exc:
+        call()
+    return str(exc.value)
+
+
+@pytest.mark.parametrize("key, value, call", [
+    ("loss.old_logprobs", "reference", lambda cfg: updates.Schedule.from_config(cfg)),
+    ("train.mini_batches", 3, lambda cfg: updates.Schedule.from_config(cfg)),
+    ("train.micro_batches", 0, lambda cfg: updates.Schedule.from_config(cfg)),
+    ("loss.logprob_support", "top_p", lambda cfg: experience.scored_on_sampler_support(cfg)),
+    ("loss.negative_weight", 1.5, lambda cfg: rl_loss.group_advantages(
+        np.ones((2, 2)), negative_weight=cfg.loss.negative_weight)),
+    ("loss.clip_ratio_c", 0.9, lambda cfg: updates.loss_config(cfg)),
+    ("loss.aggregation", "sum", lambda cfg: rl_loss.aggregate(
+        jnp.ones((1, 2)), jnp.ones((1, 2)), jnp.zeros((1, 2), int), 1, cfg.loss.aggregation,
+        1)),
+    ("sft.optim.decay", "exponential", lambda cfg: optim.schedule(cfg.sft.optim, 10)),
+    ("rollout.top_p", 0.0, lambda cfg: experience.truncation(cfg).check()),
+])
+def test_the_module_raises_the_config_checks_line(key, value, call):
+    """A value a module rejects is rejected in the config check's words: both come from
+    the rule's one statement (``train.domains``)."""
+    cfg = config.base_config()
+    _set(cfg, key, value)
+    line = config.check(cfg)
+    assert len(line) == 1 and line[0].startswith(f"{key} = {value!r}: must "), line
+    message = _module_error(lambda: call(cfg))
+    # the module names the key from where it stands (an optim section: optim.decay)
+    assert line[0].endswith(message.partition(" = ")[2]) and key.endswith(
+        message.partition(" = ")[0]), (line, message)

@@ -100,7 +100,7 @@ def test_frozen_parameters_stay_fixed(policy, rollout_batch):
                            frozen=frozen)
     start = jax.tree.map(jnp.copy, params)
     new, _, m = step(jax.tree.map(jnp.copy, params), tx.init(params),
-                     place_batch(packed.arrays("old_logp", "advantages")), None,
+                     (place_batch(packed.arrays("old_logp", "advantages")),), None,
                      packed.num_seqs, packed.bucket())
     assert float(m["grad_norm"]) > 0
     for name in params:

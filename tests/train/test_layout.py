@@ -362,3 +362,125 @@ def test_every_logger_named_exists(tmp_path):
     (tmp_path / "models" / "config.py").write_text(
         '"""falls back with a warning on logger ``"models"``."""\n')
     assert unknown_loggers(tmp_path) == [("models/config.py", "models")]
+
+
+#: The constructors of ``train.domains`` (a call of one states a rule).
+DOMAIN_MAKERS = {"integer", "number", "one_of", "boolean", "string", "names", "pairs",
+                 "mapping", "Domain"}
+
+
+def rule_statements(source: str) -> list[tuple[str, str]]:
+    """The rules a module states: each call of a ``DOMAIN_MAKERS`` constructor (by its text,
+    the module prefix dropped; once per module: a schema gives many keys one domain), and
+    each set of named choices (a ``one_of`` of literal strings, or a module-level tuple of
+    two or more literal strings, the form a hand-made ``value in CHOICES`` check takes), as
+    ``("choices", the sorted names)``, as often as it is written."""
+    calls, choices = set(), []
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        name = isinstance(node, ast.Call) and getattr(
+            node.func, "attr", getattr(node.func, "id", None))
+        if name not in DOMAIN_MAKERS:
+            continue
+        words = [a.value for a in node.args
+                 if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+        if name == "one_of" and len(words) == len(node.args):
+            choices.append(("choices", ", ".join(sorted(words))))
+        else:
+            calls.add((name, ast.unparse(ast.Call(ast.Name(name), node.args, node.keywords))))
+    for node in tree.body:
+        value = getattr(node, "value", None)
+        if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(value, ast.Tuple) and (
+                len(value.elts) >= 2 and all(isinstance(e, ast.Constant)
+                                             and isinstance(e.value, str) for e in value.elts)):
+            choices.append(("choices", ", ".join(sorted(e.value for e in value.elts))))
+    return sorted(calls) + choices
+
+
+def restated_rules(root, keys: list[str]) -> dict[str, list[str]]:
+    """Each rule of a config value stated in more than one place under ``root/train``:
+
+    * a rule (``rule_statements``) that two modules state: ``"<rule>" -> the modules``;
+    * an error a module raises itself that states a rule of a config key (its message
+      names the key, as ``section.key`` or by its path from a section, and says "must")
+      instead of taking it from the rule's one statement (``Domain.require``,
+      ``domains.enforce``, whose messages ``train/domains.py`` words):
+      ``"<path>:<line>" -> [the key]``.
+    """
+    names = {".".join(k.split(".")[i:]) for k in keys for i in range(k.count("."))}
+    named = re.compile(r"(?<![\w.])(" + "|".join(
+        sorted(map(re.escape, names), key=len, reverse=True)) + r")(?!\w)")
+    where: dict[str, list[str]] = {}
+    out = {}
+    for path in sorted((root / "train").rglob("*.py")):
+        rel, source = path.relative_to(root).as_posix(), path.read_text()
+        for kind, text in rule_statements(source):
+            where.setdefault(f"{kind}: {text}", []).append(rel)
+        if rel == "train/domains.py":
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                text = " ".join(n.value for n in ast.walk(node.exc)
+                                if isinstance(n, ast.Constant) and isinstance(n.value, str))
+                if "must" in text and (m := named.search(text)):
+                    out[f"{rel}:{node.lineno}"] = [m.group(1)]
+    out.update({rule: paths for rule, paths in where.items() if len(paths) > 1})
+    return out
+
+
+def _config_keys() -> list[str]:
+    from train import config, domains
+
+    return list(domains.keys(config.schema()))
+
+
+def test_each_rule_is_stated_once():
+    """Each config value's rule (its domain, its relation to other keys) is stated in one
+    place, where the value is used or in ``train/domains.py``; ``train/config.py`` and
+    the modules import it (``train.domains`` module docstring)."""
+    from train import config, rl_loss, rollout, updates
+
+    assert restated_rules(ROOT, _config_keys()) == {}
+    schema = config.schema()
+    for section, key, domain in [("loss", "old_logprobs", updates.OLD_LOGPROBS),
+                                 ("loss", "logprob_support", rollout.LOGPROB_SUPPORT),
+                                 ("loss", "negative_weight", rl_loss.NEGATIVE_WEIGHT),
+                                 ("loss", "clip_ratio_c", rl_loss.OFF_OR_ABOVE_1),
+                                 ("train", "mini_batches", updates.d.COUNT)]:
+        assert schema[section][key].domain is domain, key
+    assert updates.whole_groups in config.RELATIONS
+
+
+def test_a_restated_rule_is_found(tmp_path):
+    """On a copy of ``train/`` with each of the rules once stated twice (a domain written
+    again in the schema, a choice list beside its domain, a hand-made range check, a
+    relation checked again by hand), every copy is named."""
+    for path in (ROOT / "train").rglob("*.py"):
+        copy = tmp_path / path.relative_to(ROOT)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_text(path.read_text())
+    keys = _config_keys()
+    assert restated_rules(tmp_path, keys) == {}
+
+    def edit(rel, old, new):
+        text = (tmp_path / rel).read_text()
+        assert old in text, (rel, old)
+        (tmp_path / rel).write_text(text.replace(old, new, 1))
+
+    edit("train/config.py", 'Key("sampler", rollout.LOGPROB_SUPPORT)',
+         'Key("sampler", d.one_of("sampler", "full"))')
+    edit("train/updates.py", "COUNTS = (", 'OLD_POLICIES = ("trainer", "sampler")\nCOUNTS = (')
+    edit("train/config.py", "Key(1.0, rl_loss.NEGATIVE_WEIGHT)", "Key(1.0, d.number(0, 1))")
+    edit("train/rl_loss.py",
+         '    NEGATIVE_WEIGHT.require("loss.negative_weight", negative_weight)\n',
+         "    if not 0 <= negative_weight <= 1:\n"
+         '        raise ValueError(f"loss.negative_weight must be in [0, 1]: {negative_weight}")\n')
+    edit("train/updates.py", "        d.enforce(cfg, [whole_groups])\n",
+         "        if cfg.rollout.prompts_per_step % cfg.train.mini_batches:\n"
+         '            raise ValueError("train.mini_batches must divide the prompts")\n')
+    found = restated_rules(tmp_path, keys)
+    assert found.pop("choices: full, sampler") == ["train/config.py", "train/rollout.py"]
+    assert found.pop("choices: sampler, trainer") == ["train/updates.py"] * 2
+    assert found.pop("number: number(0, 1)") == ["train/config.py", "train/domains.py"]
+    assert sorted(found.values()) == [["loss.negative_weight"], ["train.mini_batches"]]
+    assert all(k.startswith(("train/rl_loss.py:", "train/updates.py:")) for k in found)

@@ -44,7 +44,7 @@ def _run(tiny, change=None):
     if change:
         b = change(b)
     before = jax.tree.map(np.asarray, (params, tx.init(params)))
-    out = step(jax.tree.map(jnp.copy, params), tx.init(params), b, None, packed.num_seqs,
+    out = step(jax.tree.map(jnp.copy, params), tx.init(params), (b,), None, packed.num_seqs,
                packed.bucket(16))
     return before, jax.tree.map(np.asarray, out[:2]), jax.device_get(out[2])
 
@@ -94,7 +94,7 @@ def test_the_guard_names_each_skip_and_stops_after_the_limit(capsys):
                        match=r"^grpo step 6: non-finite gradient; 3 updates in a row"):
         guard.observe(6, [("", m)])
     assert m == {}  # the flags leave the metrics line
-    with pytest.raises(ValueError, match="positive integer, got 0"):
+    with pytest.raises(ValueError, match="max_nonfinite_updates = 0: must be an integer >= 1"):
         nonfinite.Guard(0, "sft")
 
 

@@ -195,9 +195,9 @@ def test_micro_batch_gradient_does_not_depend_on_the_split(tiny, aggregation):
         batches = [place_batch(x.arrays(*x.values)) for x in pieces]
         bucket = max(x.bucket(16) for x in pieces)
         refs = [forward(params, b, bucket) - 0.1 for b in batches]
-        args = ((batches[0], refs[0]) if parts == 1 else (tuple(batches), tuple(refs)))
-        _, grads, metrics = step(_copy(params), jax.tree.map(jnp.zeros_like, params), *args,
-                                 packed.num_seqs, bucket, None if parts == 1 else norm)
+        _, grads, metrics = step(_copy(params), jax.tree.map(jnp.zeros_like, params),
+                                 tuple(batches), tuple(refs), packed.num_seqs, bucket,
+                                 None if parts == 1 else norm)
         out[parts] = (grads, metrics)
     (grads1, m1), (grads, m) = out[1], out[4]
     a, b = ({k: np.asarray(g[k], np.float64).ravel() for k in grads1} for g in (grads, grads1))
@@ -209,6 +209,20 @@ def test_micro_batch_gradient_does_not_depend_on_the_split(tiny, aggregation):
         assert abs(float(m[k]) - float(m1[k])) <= 1e-6 * max(abs(float(m1[k])), 1.0), (
             k, float(m[k]), float(m1[k]))
     assert float(m1["clip_fraction"]) > 0 and float(m1["kl"]) > 0
+
+
+def test_micro_batches_without_their_norm_are_refused(tiny):
+    """The step takes one batch type, a tuple of micro-batches; several without the
+    ``LossNorm`` of their mini-batch would each be normalised by its own counts (a
+    gradient that depends on the split): refused, naming the count."""
+    mdef, params, seqs = tiny
+    packed = seqs.pack(np.arange(4), 32, 4)
+    b = place_batch(packed.arrays(*packed.values))
+    step = steps.grpo_step(mdef, _gradient_as_state(), rl_loss.LossConfig(max_completion_len=8),
+                           temperature=1.0)
+    with pytest.raises(ValueError, match="2 micro-batches need the LossNorm"):
+        step(_copy(params), jax.tree.map(jnp.zeros_like, params), (b, b), None, packed.num_seqs,
+             packed.bucket(16))
 
 
 def _lr(opt_state, value):
