@@ -163,8 +163,8 @@ def schema() -> d.Schema:
             "min_p": Key(0.0, rollout.MIN_P),
             # models.generate: compact (one prefill per prompt, finished rows leave the
             # batch every decode_chunk steps) | reference (the whole batch to the longest)
-            "engine": Key("compact", d.one_of("compact", "reference")),
-            "decode_chunk": Key(64, d.integer(1)),
+            "engine": Key("compact", rollout.ENGINE),
+            "decode_chunk": Key(64, COUNT),
         },
 
         "loss": {

@@ -49,6 +49,10 @@ PATH_TRUNCATED = "full_logits_truncated"  # top-k / top-p / min-p from full floa
 LOGPROB_SUPPORT = d.one_of("sampler", "full")
 
 
+#: ``rollout.engine``'s domain: the ``models.generate`` implementations.
+ENGINE = d.one_of(*IMPLEMENTATIONS)
+
+
 #: The domains of ``Truncation``'s fields (``rollout.top_k``, ``rollout.top_p``,
 #: ``rollout.min_p``).
 TOP_K = d.integer(0, note=" (0: off)")
@@ -147,8 +151,7 @@ class Generator:
                  num_valid: int, truncation: Truncation | None = None,
                  placement: Placement | None = None, engine: str = "compact",
                  decode_chunk: int = 64, rung_multiple: int = 8, rung_growth: float = 1.5):
-        if engine not in IMPLEMENTATIONS:
-            raise ValueError(f"unknown rollout engine {engine!r}; one of {IMPLEMENTATIONS}")
+        ENGINE.require("rollout.engine", engine)
         self.mdef, self.max_new_tokens, self.engine = mdef, max_new_tokens, engine
         self.truncation = Truncation() if truncation is None else Truncation(*truncation)
         self.stop_ids, self.num_valid = tuple(stop_ids), int(num_valid)

@@ -120,7 +120,7 @@ def test_work_follows_the_completions(rollouts, workload):
 
 def test_bad_arguments_raise(policy):
     mdef, params = policy
-    with pytest.raises(ValueError, match="unknown rollout engine 'paged'"):
+    with pytest.raises(ValueError, match="rollout.engine = 'paged': must be one of"):
         rollout.Generator(mdef, max_new_tokens=4, stop_ids=(), num_valid=500, engine="paged")
     with pytest.raises(ValueError, match="decode chunk must be a positive int, got 0"):
         rollout.Generator(mdef, max_new_tokens=4, stop_ids=(), num_valid=500, decode_chunk=0)
