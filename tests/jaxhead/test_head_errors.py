@@ -121,14 +121,20 @@ def test_errors_cut_long_values(data):
         jaxhead.token_logprobs(hidden, weight, labels, bucket=[1] * 5000)
 
 
-def test_lm_head_and_the_reference_ignore_the_ignore_index():
-    """Issue 36: ``LMHead.__call__`` / ``.sharded`` had no ``ignore_index`` and
-    ``reference_token_logprobs`` raised on the -100 labels ``token_logprobs`` skips."""
+def _next_token_case():
+    """``(hidden, weight, labels, valid, want)``: two rows of 4 tokens, their next-token
+    labels (-100 where there is none) and the log-probs of the valid ones."""
     tokens = jnp.asarray([[5, 6, 7, 8], [1, 2, 3, 4]])
     hidden = jax.random.normal(jax.random.key(0), (2, 4, 8))
     weight = jax.random.normal(jax.random.key(1), (8, 16))
     labels, valid = jaxhead.next_token_labels(tokens)
-    want = jaxhead.token_logprobs(hidden, weight, labels, valid)
+    return hidden, weight, labels, valid, jaxhead.token_logprobs(hidden, weight, labels, valid)
+
+
+def test_lm_head_and_the_reference_ignore_the_ignore_index():
+    """Issue 36: ``LMHead.__call__`` / ``.sharded`` had no ``ignore_index`` and
+    ``reference_token_logprobs`` raised on the -100 labels ``token_logprobs`` skips."""
+    hidden, weight, labels, valid, want = _next_token_case()
     ref = jaxhead.reference_token_logprobs(hidden, weight, labels)
     chex.assert_trees_all_close(ref, want, atol=1e-5)
     jitted = jax.jit(lambda y: jaxhead.reference_token_logprobs(hidden, weight, y))(labels)
@@ -151,11 +157,7 @@ def test_ignore_index_labels_are_not_kept_without_a_keep_mask():
     """Labels from ``next_token_labels`` (-100 where there is no next token) work with
     ``keep=None``, eagerly and under ``jit``: those positions are 0, as in PyTorch's
     cross-entropy; another out-of-range label still raises; ``ignore_index=None`` keeps all."""
-    tokens = jnp.asarray([[5, 6, 7, 8], [1, 2, 3, 4]])
-    hidden = jax.random.normal(jax.random.key(0), (2, 4, 8))
-    weight = jax.random.normal(jax.random.key(1), (8, 16))
-    labels, valid = jaxhead.next_token_labels(tokens)
-    want = jaxhead.token_logprobs(hidden, weight, labels, valid)
+    hidden, weight, labels, valid, want = _next_token_case()
     got = jaxhead.token_logprobs(hidden, weight, labels)
     chex.assert_trees_all_close(got, want, atol=1e-6)
     jitted = jax.jit(lambda h, y: jaxhead.token_logprobs(h, weight, y))(hidden, labels)
