@@ -1,9 +1,10 @@
 """Rollouts of a long-tailed workload: the ``reference`` engine (the whole batch decodes
-until its longest row stops) vs the ``compact`` engine (one prefill per prompt, finished
-rows leave the batch), ``train.rollout.Generator`` either way.
+until its longest row stops) vs the ``compact`` engine (one prefill per prompt, a paged KV
+cache, finished rows leave the batch), the latter also with at most ``--max-rows`` rows
+decoding at once (continuous batching), ``train.rollout.Generator`` every way.
 
     python benchmarks/rollout.py                  # 16 prompts x G = 8, ~256-token prompts
-    python benchmarks/rollout.py --rounds 5 --decode-chunk 32
+    python benchmarks/rollout.py --rounds 5 --decode-chunk 32 --page-size 32
 
 The workload: 16 prompts of 224..288 tokens, G = 8 samples each (128 rows), per-row
 budgets ``ceil(1024 u^3)`` (u uniform; the mean / longest is about 1/4) with one row at
@@ -14,9 +15,10 @@ Qwen3-architecture decoder shrunk to run on 2 CPU cores in a few minutes (``--hi
 Each engine is compiled and run once first; then ``--rounds`` interleaved rounds (each
 engine once per round, same key) and the medians of CPU seconds (this process, user +
 system) and wall seconds. Also printed: the work each engine computed
-(``models.generate.Work``) and the ideal ``Σ lengths / (B x longest)``, the fraction of
-the reference's decode work the completions need. Both engines draw the same tokens
-(checked).
+(``models.generate.Work``: prompt tokens prefilled, decode row-steps, the most KV cache
+slots held at once and their MiB over the layers, keys and values) and the ideal ``Σ
+lengths / (B x longest)``, the fraction of the reference's decode work the completions
+need. The engines draw the same tokens (checked).
 
 With ``google-tunix`` importable, Tunix 0.1.7's vanilla ``Sampler`` (its own Qwen3 of the
 same shapes, random weights; one prompt string per row, as its GRPO learner passes them;
@@ -42,7 +44,9 @@ from models.mesh import make_mesh
 from train import rollout, state
 from train.placement import Placement
 
-ENGINES = ("reference", "compact")
+#: name -> (engine, whether ``--max-rows`` caps it)
+ENGINES = {"reference": ("reference", False), "compact": ("compact", False),
+           "compact, rows at once <= max": ("compact", True)}
 
 
 def workload(prompts: int, group: int, longest: int, seed: int = 0):
@@ -114,6 +118,8 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=16_384)
     p.add_argument("--decode-chunk", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--max-rows", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
 
@@ -123,9 +129,11 @@ def main(argv=None):
     mdef = state.ModelDef.of(cfg)
     params = Placement(make_mesh({"data": 1}, devices=jax.devices()[:1]), mdef).init_params(0)
     prompts, budgets = workload(args.prompts, args.group, args.longest)
-    gens = {e: rollout.Generator(mdef, max_new_tokens=args.longest, stop_ids=(),
-                                 num_valid=args.vocab, engine=e,
-                                 decode_chunk=args.decode_chunk) for e in ENGINES}
+    gens = {name: rollout.Generator(
+        mdef, max_new_tokens=args.longest, stop_ids=(), num_valid=args.vocab, engine=e,
+        decode_chunk=args.decode_chunk, page_size=args.page_size,
+        max_decode_rows=args.max_rows if capped else 0)
+        for name, (e, capped) in ENGINES.items()}
     key = jax.random.key(1)
 
     def call(engine):
@@ -135,7 +143,7 @@ def main(argv=None):
         return ro, time.process_time() - c0, time.perf_counter() - w0
 
     tunix_call = tunix_sampler(prompts, args.group, cfg, args.longest)
-    engines = ENGINES + (("tunix",) if tunix_call else ())
+    engines = tuple(ENGINES) + (("tunix",) if tunix_call else ())
 
     def run(engine):
         if engine != "tunix":
@@ -145,9 +153,10 @@ def main(argv=None):
         return None, time.process_time() - c0, time.perf_counter() - w0
 
     first = {e: run(e) for e in engines}  # compiles
-    ref, got = first["reference"][0], first["compact"][0]
-    differ = int(np.sum(ref.tokens != got.tokens))
-    lp = float(np.abs(ref.logprobs - got.logprobs).max())
+    ref = first["reference"][0]
+    others = [first[e][0] for e in ENGINES if e != "reference"]
+    differ = sum(int(np.sum(ref.tokens != got.tokens)) for got in others)
+    lp = max(float(np.abs(ref.logprobs - got.logprobs).max()) for got in others)
     times = {e: ([], []) for e in engines}
     for _ in range(args.rounds):
         for e in engines:
@@ -162,27 +171,34 @@ def main(argv=None):
           f"{min(map(len, prompts))}..{max(map(len, prompts))} tokens, budgets mean "
           f"{budgets.mean():.0f} / longest {budgets.max()} (stop tokens off); model hidden "
           f"{args.hidden}, {args.layers} layers, vocab {args.vocab}, float32; decode chunk "
-          f"{args.decode_chunk}; medians of {args.rounds} interleaved rounds after a "
-          f"compiling call")
-    print(f"same tokens: {differ} of {ref.tokens.size} differ; largest log-prob "
-          f"difference {lp:.1e}")
+          f"{args.decode_chunk}, page size {args.page_size}, max rows {args.max_rows}; "
+          f"medians of {args.rounds} interleaved rounds after a compiling call")
+    print(f"same tokens: {differ} of {ref.tokens.size * len(others)} differ; largest "
+          f"log-prob difference {lp:.1e}")
     print()
     print("| engine | CPU s | wall s | CPU vs reference | wall vs reference "
-          "| compact's CPU vs it | prompt tokens prefilled | decode row-steps |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    names = {"tunix": "Tunix 0.1.7 vanilla Sampler"}
+          "| compact's CPU vs it | prompt tokens prefilled | decode row-steps "
+          "| KV slots held | KV MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    names = {"tunix": "Tunix 0.1.7 vanilla Sampler",
+             "compact, rows at once <= max": f"compact, <= {args.max_rows} rows at once"}
     width = max(map(len, prompts))
+    per_slot = 2 * args.layers * cfg.num_key_value_heads * cfg.head_dim * 4 / 2 ** 20
     for e in engines:
         cpu, wall = med[e]
         if e == "tunix":  # every row: prompt padded to the widest, all longest steps
             prefill, steps = rows * width, rows * args.longest
+            slots = rows * (width + args.longest + 8)  # its CacheConfig
         else:
-            prefill, steps = gens[e].last_work.prefill_tokens, gens[e].last_work.decode_row_steps
+            work = gens[e].last_work
+            prefill, steps, slots = work.prefill_tokens, work.decode_row_steps, work.kv_slots
         print(f"| {names.get(e, e)} | {cpu:.2f} | {wall:.2f} "
               f"| {cpu / med['reference'][0]:.3f}x | {wall / med['reference'][1]:.3f}x "
-              f"| {med['compact'][0] / cpu:.3f}x | {prefill:,} | {steps:,} |")
+              f"| {med['compact'][0] / cpu:.3f}x | {prefill:,} | {steps:,} | {slots:,} "
+              f"| {slots * per_slot:.1f} |")
     if not tunix_call:
-        print("| Tunix 0.1.7 vanilla Sampler | (google-tunix not importable) | | | | | | |")
+        print("| Tunix 0.1.7 vanilla Sampler | (google-tunix not importable) "
+              "| | | | | | | | |")
     print()
     print(f"ideal: Σ lengths / (B x longest) = {ideal:.3f}")
 

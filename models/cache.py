@@ -118,3 +118,53 @@ def write_kv(kv: LayerKV, keys: jax.Array, values: jax.Array) -> LayerKV:
         keys=jax.lax.dynamic_update_slice(kv.keys, keys.astype(kv.keys.dtype), start),
         values=jax.lax.dynamic_update_slice(kv.values, values.astype(kv.values.dtype), start),
     )
+
+
+class PagedKVCache(NamedTuple):
+    """A paged KV cache for one-token decode steps (a pytree; pass it through ``jit``).
+
+    Keys and values live in a pool of pages of ``S`` slots; row ``r``'s slot ``s`` is slot
+    ``s % S`` of page ``block_tables[r, s // S]``. Slot ``s`` holds the token at position
+    ``s`` (prompts start at slot 0), so rows may share the pages of a common prompt and hold
+    only the pages they have written (``models.generate.compact``). Under a mesh the pool
+    is split along its page axis over the batch axes and each row's page ids are local to
+    its shard (``models.attention.paged``).
+
+    Attributes:
+      keys, values: one ``[K, P, S, D]`` array per layer (the layout of JAX's TPU paged
+        attention kernel), compute dtype, post-RoPE keys.
+      block_tables: int32 ``[R, M]``: the pages of each row's slots ``[0, M S)``.
+      slots: int32 ``[R]``: the slot the new token is written at (= its position); the
+        token then attends to slots ``[0, slots]``. -1: the row writes and reads nothing
+        (finished or padding).
+    """
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    block_tables: jax.Array
+    slots: jax.Array
+
+
+class PagedLayerKV(NamedTuple):
+    """The view of a ``PagedKVCache`` one attention layer reads and writes."""
+
+    keys: jax.Array
+    values: jax.Array
+    block_tables: jax.Array
+    slots: jax.Array
+
+
+def init_pages(cfg: ModelConfig, pages: int, page_size: int, dtype=None
+               ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """``(keys, values)``: an empty pool of ``pages`` pages of ``page_size`` slots per layer
+    (zeros ``[K, pages, page_size, D]``, ``dtype`` default ``cfg.dtype``)."""
+    dtype = cfg.dtype if dtype is None else dtype
+    shape = (cfg.num_key_value_heads, pages, page_size, cfg.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
+    return zeros, zeros
+
+
+def paged_view(cache: PagedKVCache, layer: int) -> PagedLayerKV:
+    """What layer ``layer`` reads: its pages plus the shared block tables and slots."""
+    return PagedLayerKV(cache.keys[layer], cache.values[layer], cache.block_tables,
+                        cache.slots)

@@ -15,7 +15,15 @@ import jaxhead
 from models import context
 from models.attention.api import REGISTRY as ATTENTION
 from models.attention.layer import Attention
-from models.cache import KVCache, check_room, init_cache, layer_view, write_tokens
+from models.cache import (
+    KVCache,
+    PagedKVCache,
+    check_room,
+    init_cache,
+    layer_view,
+    paged_view,
+    write_tokens,
+)
 from models.config import ModelConfig
 from models.layers import MLP, RMSNorm, embedding
 from models.lookup import embed_lookup
@@ -171,7 +179,7 @@ class Transformer(nnx.Module):
         )
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                 cache: KVCache | None = None) -> DecoderOutput:
+                 cache: KVCache | PagedKVCache | None = None) -> DecoderOutput:
         """Run the decoder.
 
         Training / scoring (``cache=None``): rows may pack several sequences; token ``t``
@@ -183,13 +191,17 @@ class Transformer(nnx.Module):
         the call with the prompt (T = prompt length, right-padded rows with segment id 0
         on padding), a decode step the call with T = 1.
 
+        Paged decode (``cache`` a ``models.cache.PagedKVCache``, T = 1): each row's token
+        is written at its ``slots`` entry (its position) and attends to the row's slots
+        ``[0, slots]``; ``positions`` must equal ``slots`` (segment ids are not read).
+
         Args:
           tokens: int ``[B, T]`` token ids in ``[0, V)``.
           positions: int ``[B, T]``: position of each token within its own sequence
             (``0, 1, ...`` from each segment start; for decoding, the sequence's length so
             far).
           segment_ids: int ``[B, T]``: a positive id per packed sequence, 0 = padding.
-          cache: optional ``KVCache``.
+          cache: optional ``KVCache`` or ``PagedKVCache``.
 
         Returns:
           ``DecoderOutput(hidden [B, T, H] compute dtype, cache, aux_loss,
@@ -198,7 +210,8 @@ class Transformer(nnx.Module):
         Raises:
           ValueError: ``tokens``, ``positions`` and ``segment_ids`` shapes differ or are
             not 2-D; the T new tokens do not fit in the cache's free slots (checked
-            eagerly; under ``jit`` the hidden states come out NaN instead).
+            eagerly; under ``jit`` the hidden states come out NaN instead); a paged cache
+            with T != 1.
         """
         shapes = {tuple(a.shape) for a in (tokens, positions, segment_ids)}
         if len(shapes) != 1 or len(tokens.shape) != 2:
@@ -206,8 +219,11 @@ class Transformer(nnx.Module):
                 f"tokens, positions, segment_ids must share one [B, T] shape, got "
                 f"{tokens.shape}, {positions.shape}, {segment_ids.shape}"
             )
-        overflow = None
-        if cache is not None:
+        overflow, paged = None, isinstance(cache, PagedKVCache)
+        if paged and tokens.shape[1] != 1:
+            raise ValueError(f"a paged KV cache decodes one token per row, got "
+                             f"{tokens.shape[1]}")
+        if cache is not None and not paged:
             overflow = check_room(cache, tokens.shape[1])
             cache = write_tokens(cache, positions, segment_ids)
         # gathered in param_dtype; training's gradient is formed shard by shard
@@ -220,7 +236,7 @@ class Transformer(nnx.Module):
             x, stats = self._scan(x, positions, segment_ids)
         else:
             x, cache, stats = self._loop(x, positions, segment_ids, cache)
-        if cache is not None:
+        if cache is not None and not paged:
             cache = cache._replace(index=cache.index + tokens.shape[1])
         zero = jnp.zeros((), jnp.float32)
         aux = load_balancing_loss(stats) if stats else zero
@@ -249,7 +265,8 @@ class Transformer(nnx.Module):
         keys, values, stats = [], [], []
         for i in range(self.cfg.num_hidden_layers):
             layer = layer_at(self.layers, i) if self.cfg.scan_layers else self.layers[i]
-            kv = None if cache is None else layer_view(cache, i)
+            kv = (None if cache is None else paged_view(cache, i)
+                  if isinstance(cache, PagedKVCache) else layer_view(cache, i))
             if policy is not None and kv is None:
                 x, _, layer_stats = nnx.remat(_call_layer, policy=policy)(
                     layer, x, positions, segment_ids)

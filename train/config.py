@@ -161,10 +161,15 @@ def schema() -> d.Schema:
             "top_p": Key(1.0, rollout.TOP_P),  # < 1: the nucleus of mass top_p
             # > 0: tokens with p >= min_p * max p
             "min_p": Key(0.0, rollout.MIN_P),
-            # models.generate: compact (one prefill per prompt, finished rows leave the
-            # batch every decode_chunk steps) | reference (the whole batch to the longest)
+            # models.generate: compact (one prefill per prompt, a paged KV cache, finished
+            # rows leave the batch every decode_chunk steps) | reference (the whole batch
+            # to the longest row)
             "engine": Key("compact", rollout.ENGINE),
             "decode_chunk": Key(64, COUNT),
+            "page_size": Key(64, COUNT),  # compact: KV cache slots per page
+            # compact: the most rows decoding at once (0: all); the others wait for the
+            # places finished rows free (continuous batching)
+            "max_decode_rows": Key(0, d.integer(0)),
         },
 
         "loss": {

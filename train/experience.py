@@ -33,7 +33,9 @@ def generator(cfg, s: setup.Setup, trunc: rollout.Truncation) -> rollout.Generat
     return rollout.Generator(s.mdef, max_new_tokens=cfg.rollout.max_new_tokens,
                              stop_ids=s.tasks.stop_ids, num_valid=s.tokenizer.num_valid,
                              truncation=trunc, placement=s.placement,
-                             engine=cfg.rollout.engine, decode_chunk=cfg.rollout.decode_chunk)
+                             engine=cfg.rollout.engine, decode_chunk=cfg.rollout.decode_chunk,
+                             page_size=cfg.rollout.page_size,
+                             max_decode_rows=cfg.rollout.max_decode_rows)
 
 
 def score(cfg, s: setup.Setup, problems, ro: rollout.Rollout) -> tuple[np.ndarray, np.ndarray]:

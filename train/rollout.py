@@ -3,15 +3,17 @@ with host arrays in and out.
 
 A ``Generator`` is built once per run (by ``train.grpo``) and owns its compiled functions;
 ``temperature`` is traced, so greedy and sampled calls share them. Its engine is
-``compact`` (one prefill per prompt, finished rows leave the batch between chunks of
-decode steps) or ``reference`` (the whole batch decodes until its longest row stops); both
-draw the same tokens for the same key (``models.generate.api``).
+``compact`` (one prefill per prompt into a paged KV cache its samples share, finished rows
+leave the batch between chunks of decode steps, at most ``max_decode_rows`` at once) or
+``reference`` (the whole batch decodes until its longest row stops); both draw the same
+tokens for the same key (``models.generate.api``).
 
 Under a multi-device ``train.placement.Placement`` each call runs as SPMD programs over the
 run's mesh: the rows (padded to a multiple of the batch shards; padding rows are done from
 the start and dropped after) are split over ``models.mesh.BATCH_AXES``, the parameters keep
 their training shardings (the MoE runs expert-parallel, no device gathers another's
-experts), the KV cache and the sampled arrays are split along the batch, and every
+experts), the KV cache (the ``compact`` engine's page pool along its pages, each shard's
+rows reading its own) and the sampled arrays are split along the batch, and every
 process reads back every row (``to_host``: a ``process_allgather`` of the small ``[B, T]``
 results, and of the ``compact`` engine's done flags between chunks, so every process takes
 the same decisions and packs the same global batch). A row's sampling noise depends only
@@ -139,18 +141,23 @@ class Generator:
       decode_chunk: ``compact``: decode steps between compactions.
       rung_multiple, rung_growth: ``compact``: its row ladder (``jaxhead.bucket_ladder``;
         on a mesh the multiple is raised to a multiple of the batch shards).
+      page_size: ``compact``: slots per page of its paged KV cache.
+      max_decode_rows: ``compact``: the most rows decoding at once (0: all); the others
+        wait for the places finished rows free (continuous batching).
 
     Attributes:
       last_work: the ``models.generate.Work`` of the latest call (None before one).
 
     Raises:
-      ValueError: an unknown ``engine``, ``decode_chunk < 1`` or a bad ladder (named).
+      ValueError: an unknown ``engine``, ``decode_chunk`` / ``page_size`` < 1,
+        ``max_decode_rows`` < 0 or a bad ladder (named).
     """
 
     def __init__(self, mdef: ModelDef, *, max_new_tokens: int, stop_ids: tuple[int, ...],
                  num_valid: int, truncation: Truncation | None = None,
                  placement: Placement | None = None, engine: str = "compact",
-                 decode_chunk: int = 64, rung_multiple: int = 8, rung_growth: float = 1.5):
+                 decode_chunk: int = 64, rung_multiple: int = 8, rung_growth: float = 1.5,
+                 page_size: int = 64, max_decode_rows: int = 0):
         ENGINE.require("rollout.engine", engine)
         self.mdef, self.max_new_tokens, self.engine = mdef, max_new_tokens, engine
         self.truncation = Truncation() if truncation is None else Truncation(*truncation)
@@ -158,8 +165,10 @@ class Generator:
         self.placement = placement if placement is not None and placement.sharded else None
         shards = 1 if self.placement is None else self.placement.batch_shards
         self._ladder = (math.lcm(rung_multiple, shards), rung_growth, shards)
+        self._paging = {"page_size": page_size, "max_rows": max_decode_rows}
         CompactEngine(mdef.merge, self._decoding(False), chunk=decode_chunk,
-                      rung_multiple=self._ladder[0], growth=rung_growth)  # checks the args
+                      rung_multiple=self._ladder[0], growth=rung_growth,
+                      row_multiple=shards, **self._paging)  # checks the args
         self.decode_chunk = decode_chunk
         self._fns: dict = {}
         self.last_work: Work | None = None
@@ -167,8 +176,10 @@ class Generator:
     def _decoding(self, truncated: bool) -> Decoding:
         return Decoding(self.max_new_tokens, self.stop_ids, self.num_valid, truncated)
 
-    def _jit(self, fn):
-        return jax.jit(fn) if self.placement is None else self.placement.jit(fn)
+    def _jit(self, fn, **jit_kwargs):
+        if self.placement is None:
+            return jax.jit(fn, **jit_kwargs)
+        return self.placement.jit(fn, **jit_kwargs)
 
     def _fn(self, truncated: bool):
         """The compiled engine of one sampler path (every group size and row count)."""
@@ -179,7 +190,7 @@ class Generator:
                 self._fns[key] = CompactEngine(
                     self.mdef.merge, d, chunk=self.decode_chunk, rung_multiple=self._ladder[0],
                     growth=self._ladder[1], row_multiple=self._ladder[2], jit=self._jit,
-                    read=to_host)
+                    read=to_host, **self._paging)
             else:
                 def generate(params, *args):
                     return reference.generate(self.mdef.merge(params), *args, d)
@@ -294,10 +305,8 @@ class Generator:
         if self.engine == "compact":
             if self.placement is not None:
                 params = self.placement.place_params(params)
-            b = self._place({"prompts": padded, "lens": lens})
-            out, self.last_work = fn(params, b["prompts"], b["lens"], budgets, key,
-                                     jnp.float32(temperature), trunc, group_size=group_size,
-                                     prompt_tokens=tokens)
+            out, self.last_work = fn(params, padded, lens, budgets, key,
+                                     np.float32(temperature), trunc, group_size=group_size)
             out = to_host(out)  # every process reads every row
         else:
             args = self._reference_args(padded, lens, budgets, group_size, key, temperature,
@@ -305,5 +314,6 @@ class Generator:
             out = to_host(fn(params, *args))  # every process reads every row
             size, width = len(args[2]), padded.shape[1]
             steps = max(int(out[4][:rows].max()) - 1, 0)  # the loop ran to the longest row
-            self.last_work = Work(tokens * group_size, size * width, size * steps)
+            self.last_work = Work(tokens * group_size, int(size * width), size * steps,
+                                  int(size * (width + self.max_new_tokens)))
         return Rollout(*(x[:rows] for x in out), PATH_TRUNCATED if truncated else PATH_GUMBEL)

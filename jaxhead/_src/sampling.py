@@ -317,10 +317,20 @@ def _truncated(z, seeds, temperature, sampled, num_valid, top_k, top_p, min_p):
 def _row_seeds(key, rows: int, row_ids, num_rows) -> jax.Array:
     """uint32 ``[rows, 2]``: two seed words per row drawn from ``key``; with ``row_ids``
     the words of rows ``row_ids`` of a ``num_rows``-row draw (``jax.random.bits`` numbers
-    its elements by their index, so a row's words do not depend on the rows drawn)."""
+    its elements by their index, so a row's words do not depend on the rows drawn).
+    ``key`` of shape ``[rows]``: row ``b`` draws from ``key[b]`` as a call with that key
+    alone would draw for its row (``row_ids[b]`` of ``num_rows``, or row 0 of one)."""
+    key = jnp.asarray(key)
+    batch = key.shape if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key.shape[:-1]
+    per_row = batch != ()
+    if per_row and batch != (rows,):
+        raise ValueError(f"key must be one key or one per row ([{rows}]), got keys of "
+                         f"shape {batch}")
     if row_ids is None:
         if num_rows is not None:
             raise ValueError(f"num_rows={num_rows} needs row_ids")
+        if per_row:
+            return jax.vmap(lambda k: jax.random.bits(k, (1, 2), jnp.uint32)[0])(key)
         return jax.random.bits(key, (rows, 2), jnp.uint32)
     if num_rows is None or not isinstance(num_rows, int) or num_rows < 1:
         raise ValueError(f"row_ids needs num_rows, a positive static int; got {num_rows!r}")
@@ -328,8 +338,12 @@ def _row_seeds(key, rows: int, row_ids, num_rows) -> jax.Array:
     if row_ids.shape != (rows,) or not jnp.issubdtype(row_ids.dtype, jnp.integer):
         raise ValueError(f"row_ids must be integer [B] = [{rows}], got {row_ids.dtype} "
                          f"{row_ids.shape}")
-    return jnp.take(jax.random.bits(key, (num_rows, 2), jnp.uint32), row_ids, axis=0,
-                    mode="clip")
+
+    def words(k, ids):
+        return jnp.take(jax.random.bits(k, (num_rows, 2), jnp.uint32), ids, axis=0,
+                        mode="clip")
+
+    return jax.vmap(words)(key, row_ids) if per_row else words(key, row_ids)
 
 
 def _draw(source, key, num_valid, temperature, top_k, top_p, min_p, vocab_chunk,
@@ -379,7 +393,10 @@ def sample(
         (``weight_layout="hv"``) or ``[V, H]`` (``"vh"``, e.g. a tied embedding table,
         used as it is: vocab chunks are its row blocks, no transposed copy).
       key: a JAX PRNG key: two 32-bit seed words per row are drawn from it (see the module
-        docstring for the noise and what a draw depends on).
+        docstring for the noise and what a draw depends on); or ``[B]`` keys, one per row:
+        row ``b`` then draws what a call with ``key[b]`` alone draws for it (with
+        ``row_ids``: as row ``row_ids[b]`` of that call; a decoder whose rows are at
+        different decode steps, each folded into its key, keeps every row's draw so).
       temperature: float ``>= 0``, a Python number or a traced scalar (one compiled
         function then serves greedy and sampled decoding); 0 means greedy (the arg-max of
         the logits, the lowest id among ties; no truncation applies).
@@ -417,7 +434,7 @@ def sample(
         infinite or not a scalar, ``num_valid`` outside ``[1, V]``, ``top_k`` not an integer,
         ``top_k`` / ``top_p`` / ``min_p`` outside their ranges, ``vocab_chunk`` not a
         positive int, or ``row_ids`` without a positive int ``num_rows`` or not of shape
-        ``[B]`` (the value named).
+        ``[B]``, ``key`` neither one key nor ``[B]`` keys (the value named).
     """
     validation.check_float_pair(validation.dtype_of(hidden, "hidden"),
                                 validation.dtype_of(weight, "weight"))

@@ -15,7 +15,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from models.attention.api import cache_attention, self_attention
-from models.cache import LayerKV, write_kv
+from models.attention.paged import paged_attention, write_pages
+from models.cache import LayerKV, PagedLayerKV, write_kv
 from models.config import ModelConfig
 from models.layers import RMSNorm, apply_rope, param
 from models.mesh import active_mesh
@@ -68,7 +69,8 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, "head_dim", **norm)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                 kv: LayerKV | None = None) -> tuple[jax.Array, LayerKV | None]:
+                 kv: LayerKV | PagedLayerKV | None = None
+                 ) -> tuple[jax.Array, LayerKV | PagedLayerKV | None]:
         """Attend within segments, or over the cache.
 
         Args:
@@ -77,7 +79,11 @@ class Attention(nnx.Module):
           segment_ids: int ``[B, T]``, 0 = padding.
           kv: None for a plain (training / scoring) forward; otherwise this layer's cache
             view: the new keys/values are written at ``kv.index`` and the queries read
-            every cache slot (masked by ``kv.positions`` / ``kv.segment_ids``).
+            every cache slot (masked by ``kv.positions`` / ``kv.segment_ids``); or a
+            ``PagedLayerKV`` for a one-token decode step (T = 1): the new key and value
+            are written at the row's slot and the query reads the row's written slots
+            (``models.attention.paged``; ``impl="dense"`` there when ``attention_impl``
+            is ``"dense"``).
 
         Returns:
           ``(y [B, T, H] compute dtype, updated kv or None)``.
@@ -101,7 +107,15 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions, self.rope_theta, scaling)
         mesh = active_mesh()
         r = 1 if mesh is None else kv_head_layout(*self.heads, mesh, self.rules)
-        if kv is None:
+        if isinstance(kv, PagedLayerKV):
+            kp, vp = write_pages(kv.keys, kv.values, kv.block_tables, kv.slots, k[:, 0],
+                                 v[:, 0])
+            out = paged_attention(q[:, 0], kp, vp, kv.block_tables, kv.slots,
+                                  scale=self.scale,
+                                  impl="dense" if self.impl == "dense" else "auto")
+            kv = kv._replace(keys=kp, values=vp)
+            out = out[:, None]
+        elif kv is None:
             k, v = (_per_shard(x, r, mesh, self.rules) for x in (k, v))
             out = self_attention(q, k, v, positions, segment_ids, scale=self.scale,
                                  impl=self.impl)

@@ -3,8 +3,10 @@
   api.py          what the engines share: ``Decoding``, ``Truncation``, the draw of a
                   step by global row index, ``Work``, ``IMPLEMENTATIONS``
   reference.py    ``"reference"``: the whole batch decodes until its longest row stops
-  compact.py      ``"compact"``: one prefill per prompt, finished rows leave the batch
-                  between chunks of steps (a static row ladder)
+  compact.py      ``"compact"``: one prefill per prompt into a paged KV cache its
+                  samples share, finished rows leave the batch between chunks of steps
+                  (a static row ladder), waiting rows take their places
+  pages.py        ``PageAllocator``: the host's bookkeeping of the page pool
 
 The trainer's use of them (placement, host arrays, ``Rollout``) is ``train.rollout``.
 """

@@ -75,11 +75,15 @@ def along_batch(tree):
 def draw(model, hidden: jax.Array, key: jax.Array, step, temperature, trunc,
          d: Decoding, row_ids: jax.Array, num_rows: int) -> jaxhead.Sample:
     """Decode step ``step``'s draw for ``hidden`` ``[R, H]``: rows ``row_ids`` ``[R]`` of
-    a ``num_rows``-row batch, with ``fold_in(key, step)``."""
+    a ``num_rows``-row batch, with ``fold_in(key, step)``; ``step`` an int32 scalar, or
+    ``[R]`` when the rows are at different steps (each row then draws with its own)."""
     dtype = model.lm_head.dtype or hidden.dtype
     kw = dict(zip(Truncation._fields, trunc)) if d.truncated else {}
+    step = jnp.asarray(step)
+    keys = (jax.random.fold_in(key, step) if step.ndim == 0 else
+            jax.vmap(jax.random.fold_in, (None, 0))(key, step))
     return jaxhead.sample(hidden.astype(dtype), model.lm_head.weight(dtype),
-                          jax.random.fold_in(key, step), temperature=temperature,
+                          keys, temperature=temperature,
                           softcap=model.lm_head.softcap, num_valid=d.num_valid,
                           weight_layout=model.lm_head.weight_layout, row_ids=row_ids,
                           num_rows=num_rows, **kw)
@@ -111,15 +115,17 @@ class Work(NamedTuple):
         not counted).
       prefill_slots: prefill rows x their padded width, padding rows included.
       decode_row_steps: decode steps x the rows computed at each (padding rows included).
+      kv_slots: the most KV cache slots (per layer, over all devices) held at once.
     """
 
     prefill_tokens: int
     prefill_slots: int
     decode_row_steps: int
+    kv_slots: int
 
 
-#: ``jit(fn) -> compiled fn``: how an engine compiles its functions (the trainer passes
-#: one that compiles under its mesh); ``read(tree) -> host tree`` reads device arrays
+#: ``jit(fn, **jit_kwargs) -> compiled fn``: how an engine compiles its functions (the
+#: trainer passes one that compiles under its mesh); ``read(tree) -> host tree`` reads device arrays
 #: back (on several processes every process reads every row).
 Jit = Callable[[Callable], Callable]
 Read = Callable[[object], object]

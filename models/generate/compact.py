@@ -1,28 +1,33 @@
-"""``compact``: one prefill per prompt; finished rows leave the batch between chunks.
+"""``compact``: one prefill per prompt, a paged KV cache, finished rows leave the batch.
 
-1. Prefill: each distinct prompt once (``[U, W]``, not ``[U x G, W]``); the G samples of a
-   prompt take copies of its KV cache rows (a gather) and of its last hidden state, from
-   which the first token of every row is drawn.
+1. Prefill: each distinct prompt once; its keys and values go to pages of ``page_size``
+   slots (``models.cache.PagedKVCache``). The G samples of a prompt share its full pages
+   through their block tables; the last, partly filled page is copied per sample (each
+   writes its own tokens after the prompt). The first token of every row is drawn from
+   its prompt's last hidden state.
 2. Decode in chunks of ``chunk`` steps (a ``while_loop`` that also ends when every row is
-   done). Between chunks the host reads which rows are still active and, when a smaller
-   rung of the static row ladder (``jaxhead.bucket_ladder``) holds them, gathers them and
-   their cache rows into that rung: few shapes (one compiled chunk per rung), and the
-   decode work follows the rows' lengths (``Σ lengths`` rounded up to whole chunks, times
-   at most the ladder's growth) instead of ``B x longest``.
+   done); each step's attention reads only the slots its row has written
+   (``models.attention.paged``). Between chunks the host reads which rows are done,
+   returns their pages, admits waiting rows into the freed places (continuous batching,
+   when ``max_rows`` caps the rows decoding at once), gathers the active rows into the
+   smallest rung of a static row ladder (``jaxhead.bucket_ladder``: few shapes, one
+   compiled chunk per rung) and gives each the pages the next chunk writes. The pool
+   grows along a ladder of sizes when the pages run out (and keeps its size for the next
+   call), so the cache holds what the rows have written plus at most one chunk.
 
-Rows keep their global index (``row_ids``) wherever they move, and draw with it
-(``models.generate.api``): the tokens are the reference engine's for the same key.
-Rows are written into the ``[B, T]`` record by that index (padding rows carry the index
-``B``, which the scatter drops).
+Rows keep their global index (``row_ids``) and draw decode step ``t`` with ``fold_in(key,
+t)`` (``models.generate.api``) wherever and whenever they run: the tokens are the
+reference engine's for the same key (a changed batch shape moves a logit by float
+rounding only). Rows are written into the ``[B, T]`` record by that index.
 
-Not done here: the G samples hold copies of the prompt's KV (no block table), the cache
-holds ``W + max_new_tokens`` slots per row from the start and a decode step attends over
-all of them (masked), and rows never refill freed slots (no continuous batching).
+Under a mesh the rows are split in order over the batch shards (``ceil(B / n)`` each);
+each shard prefills the prompts its rows continue (a prompt whose samples straddle two
+shards is prefilled on both) and holds their pages in its own pool, so no device reads
+another's pages.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -31,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxhead
-from models.cache import KVCache
+from models.attention.paged import along_pages, per_shard
+from models.cache import PagedKVCache, init_pages
 from models.generate.api import (
     Decoding,
     Jit,
@@ -43,19 +49,25 @@ from models.generate.api import (
     ended,
     masked,
 )
+from models.generate.pages import PageAllocator
+
+#: Page pools are a multiple of this many pages per shard.
+POOL_MULTIPLE = 8
+#: An unused entry of a page scatter (out of range: dropped).
+NO_PAGE = 2 ** 30
 
 
 class Rows(NamedTuple):
-    """The decoding rows (a pytree, ``[R]`` each but the cache's index).
+    """The rows of a decode batch (a pytree of ``[R]`` int32 / bool arrays).
 
     Attributes:
-      row_ids: int32 global row index (``num_rows`` for padding).
-      tokens: int32 the last drawn token.
-      lens: int32 the row's prompt length.
-      budgets: int32 the most tokens the row decodes.
-      length: int32 tokens decoded so far.
-      done, stopped: bool: the row ended; it ended on a stop token.
-      cache: the rows' ``KVCache`` (``[R, W + T]`` slots).
+      row_ids: global row index (``num_rows``: padding).
+      tokens: the last drawn token (not yet in the cache).
+      lens: the row's prompt length.
+      budgets: the most tokens the row decodes.
+      length: tokens drawn so far (the next draw is decode step ``length``; its input
+        token sits at slot ``lens + length - 1``).
+      done, stopped: the row ended; it ended on a stop token.
     """
 
     row_ids: jax.Array
@@ -65,111 +77,137 @@ class Rows(NamedTuple):
     length: jax.Array
     done: jax.Array
     stopped: jax.Array
-    cache: KVCache
 
 
-def _widen(cache: KVCache, slots: int) -> KVCache:
-    """``cache`` with ``slots`` empty slots appended to every row."""
-    def pad(x):
-        return jnp.pad(x, [(0, 0), (0, slots)] + [(0, 0)] * (x.ndim - 2))
+def _scatter_prompt(kp, vp, ck, cv, src, dest):
+    """Pages ``dest`` ``[E]`` of the pools ``[K, P, S, D]`` set to pages ``src`` of the
+    prefill cache ``[U, W, K, D]`` cut into ``W / S`` pages per prompt."""
+    u, w, k, d = ck.shape
+    size = kp.shape[2]
 
-    return cache._replace(keys=tuple(map(pad, cache.keys)),
-                          values=tuple(map(pad, cache.values)),
-                          positions=pad(cache.positions), segment_ids=pad(cache.segment_ids))
+    def paged(c):  # [U, W, K, D] -> [K, U W / S, S, D]
+        return jnp.moveaxis(c.reshape(u * (w // size), size, k, d), 2, 0)
 
-
-def _take(tree, idx: jax.Array):
-    """Rows ``idx`` of every array of rank >= 1 in ``tree`` (scalars kept)."""
-    return jax.tree.map(lambda x: jnp.take(x, idx, axis=0) if x.ndim else x, tree)
+    return (kp.at[:, dest].set(paged(ck)[:, src].astype(kp.dtype), mode="drop"),
+            vp.at[:, dest].set(paged(cv)[:, src].astype(vp.dtype), mode="drop"))
 
 
-def prefill(model, prompts, lens, source, row_ids, budgets, key, temperature, trunc,
-            d: Decoding, num_rows: int) -> tuple[Rows, tuple[jax.Array, ...]]:
-    """Prefill the distinct prompts ``[U, W]`` once and start ``R`` rows from them.
+def prefill(model, pools, prompts, plens, src, dest, prompt_of, row_ids, budgets, key,
+            temperature, trunc, d: Decoding, num_rows: int):
+    """Prefill ``[n U, W]`` prompts (U per shard), store their pages and draw every row's
+    first token.
 
     Args:
-      prompts, lens: int32 ``[U, W]`` right-padded prompts and ``[U]`` lengths.
-      source, row_ids, budgets: int32 ``[R]``: each row's prompt, global index
-        (``num_rows``: padding) and token budget.
+      pools: ``(keys, values)``, per layer ``[K, n P, S, D]``.
+      prompts, plens: int32 ``[n U, W]`` right-padded prompts (W a multiple of S) and
+        ``[n U]`` lengths.
+      src, dest: int32 ``[n E]``: per shard, prefill page ``src`` (prompt ``i``'s page
+        ``j`` is ``i W / S + j``) goes to pool page ``dest`` (``NO_PAGE``: none).
+      prompt_of: int32 ``[B']``: the prefill row (global) of each row's prompt.
+      row_ids, budgets: int32 ``[B']`` (``B' = num_rows``): global index (``num_rows``:
+        padding) and token budget of each row.
       key, temperature, trunc, d: as ``models.generate.reference.generate``.
-      num_rows: B, the rows of the call (the record's rows).
 
     Returns:
-      ``(rows, record)``: the rows after their first token; ``record`` = ``(tokens,
-      logprobs, min_logit, logmass)`` ``[B, T]``, ``lengths`` ``[B]``, ``stopped`` ``[B]``.
+      ``(pools, first, record)``: ``first`` = ``Rows`` of every row after its first token
+      (``[B']``); ``record`` = ``(tokens, logprobs, min_logit, logmass)`` ``[B', T]``,
+      ``lengths`` ``[B']``, ``stopped`` ``[B']``.
     """
-    width, steps = prompts.shape[1], d.max_new_tokens
+    width = prompts.shape[1]
     pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), prompts.shape)
-    out = model(prompts, pos, (pos < lens[:, None]).astype(jnp.int32),
+    out = model(prompts, pos, (pos < plens[:, None]).astype(jnp.int32),
                 along_batch(model.init_cache(prompts.shape[0], width)))
-    last = out.hidden[jnp.arange(prompts.shape[0]), lens - 1]
-    cache = along_batch(_widen(_take(out.cache, source), steps - 1))
-    first = draw(model, along_batch(last[source]), key, 0, temperature, trunc, d, row_ids,
-                 num_rows)
+    keys, values = [], []
+    for kp, vp, ck, cv in zip(*pools, out.cache.keys, out.cache.values):
+        kp, vp = per_shard(_scatter_prompt, (kp, vp), (ck, cv, src, dest), 2, 0)
+        keys.append(kp)
+        values.append(vp)
+    last = out.hidden[jnp.arange(prompts.shape[0]), plens - 1]
+    first = draw(model, along_batch(last[prompt_of]), key, 0, temperature, trunc, d,
+                 row_ids, num_rows)
     length = jnp.ones_like(row_ids)
-    budgets = budgets.astype(jnp.int32)
     stopped, spent = ended(first.tokens, length, budgets, d)
     pad = row_ids >= num_rows
-    rows = Rows(row_ids, first.tokens, lens[source], budgets, length, stopped | spent | pad,
-                stopped & ~pad, cache)
-    record = tuple(r.at[row_ids, 0].set(x, mode="drop")
-                   for r, x in zip(empty_record(num_rows, steps), first))
-    return along_batch(rows), _finish(along_batch(record) + _empty_ends(num_rows), rows)
+    rows = along_batch(Rows(row_ids, first.tokens, plens[prompt_of], budgets, length,
+                            stopped | spent | pad, stopped & ~pad))
+    record = tuple(r.at[:, 0].set(x) for r, x in
+                   zip(empty_record(num_rows, d.max_new_tokens), first))
+    record = along_batch((*record, length, rows.stopped))
+    return along_pages((tuple(keys), tuple(values))), rows, record
 
 
-def _empty_ends(num_rows: int) -> tuple[jax.Array, jax.Array]:
-    return jnp.zeros((num_rows,), jnp.int32), jnp.zeros((num_rows,), bool)
+def assemble(batch: Rows, first: Rows, fresh: jax.Array, idx: jax.Array) -> Rows:
+    """The next decode batch ``[R']``: place ``i`` takes row ``idx[i]`` of ``first`` (a
+    row starting) where ``fresh[i]``, else of ``batch`` (a row going on); ``idx = -1``: a
+    padding place (done, global index of ``first``'s padding)."""
+    num_rows = first.row_ids.shape[0]
+    pick = jnp.clip(idx, 0)
+    old = jax.tree.map(lambda x: jnp.take(x, jnp.minimum(pick, x.shape[0] - 1), axis=0),
+                       batch)
+    new = jax.tree.map(lambda x: jnp.take(x, pick, axis=0), first)
+    rows = jax.tree.map(lambda a, b: jnp.where(fresh, b, a), old, new)
+    pad = idx < 0
+    return along_batch(rows._replace(done=rows.done | pad,
+                                     row_ids=jnp.where(pad, num_rows, rows.row_ids)))
 
 
-def _finish(record, rows: Rows):
-    """``record`` with the rows' lengths and stop flags written at their global index."""
-    *fields, lengths, stopped = record
-    return (*fields, lengths.at[rows.row_ids].set(rows.length, mode="drop"),
-            stopped.at[rows.row_ids].set(rows.stopped, mode="drop"))
+def decode_chunk(model, pools, rows: Rows, tables, record, key, start, temperature, trunc,
+                 d: Decoding, num_rows: int, chunk: int, lockstep: bool):
+    """Up to ``chunk`` decode steps of ``rows`` (fewer when every row ends), writing
+    their draws into ``record`` at ``[global index, step]``.
 
+    Args:
+      pools: ``(keys, values)`` per layer; tables: int32 ``[R, M]`` the rows' pages (each
+        row holds the pages of every slot the chunk writes).
+      start: int32: the decode step of every active row at the chunk's start when
+        ``lockstep`` (the rows started together); otherwise each row draws step
+        ``length`` with its own key.
 
-def decode_chunk(model, rows: Rows, record, key, start, temperature, trunc, d: Decoding,
-                 num_rows: int, chunk: int) -> tuple[Rows, tuple[jax.Array, ...], jax.Array]:
-    """Decode steps ``[start, start + chunk)`` (fewer when every row ends or step T is
-    reached) of ``rows``, writing their draws into ``record`` at their global index.
-
-    Returns ``(rows, record, steps run)``.
+    Returns:
+      ``(pools, rows, record, steps run)``.
     """
-
     def cond(c):
-        k, rows, _ = c
-        return (k < chunk) & (start + k < d.max_new_tokens) & ~jnp.all(rows.done)
+        return (c[0] < chunk) & ~jnp.all(c[2].done)
 
     def body(c):
-        k, r, record = c
-        step = start + k
-        p = (r.lens + step - 1)[:, None]
-        o = model(r.tokens[:, None], p, jnp.ones_like(p), r.cache)
+        k, pools, r, record = c
+        slot = r.lens + r.length - 1
+        cache = PagedKVCache(*pools, tables, jnp.where(r.done, -1, slot))
+        o = model(r.tokens[:, None], slot[:, None], jnp.ones_like(slot)[:, None], cache)
+        step = start + k if lockstep else r.length
         new = masked(draw(model, o.hidden[:, 0], key, step, temperature, trunc, d,
                           r.row_ids, num_rows), r.done)
         *fields, lengths, stopped = record
-        fields = [f.at[r.row_ids, step].set(x, mode="drop") for f, x in zip(fields, new)]
+        col = jnp.where(r.done, d.max_new_tokens, r.length)  # finished rows: dropped
+        fields = [f.at[r.row_ids, col].set(x, mode="drop") for f, x in zip(fields, new)]
         length = r.length + (~r.done).astype(jnp.int32)
         stop, spent = ended(new[0], length, r.budgets, d)
         r = r._replace(tokens=new[0], length=length, done=r.done | stop | spent,
-                       stopped=r.stopped | (stop & ~r.done), cache=along_batch(o.cache))
-        return k + 1, along_batch(r), (*fields, lengths, stopped)
+                       stopped=r.stopped | (stop & ~r.done))
+        pools = along_pages((o.cache.keys, o.cache.values))
+        return k + 1, pools, along_batch(r), (*fields, lengths, stopped)
 
-    k, rows, record = jax.lax.while_loop(cond, body, (jnp.int32(0), rows, record))
-    return rows, _finish(record, rows), k
+    k, pools, rows, record = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), pools, rows, record))
+    *fields, lengths, stopped = record
+    lengths = lengths.at[rows.row_ids].set(rows.length, mode="drop")
+    stopped = stopped.at[rows.row_ids].set(rows.stopped, mode="drop")
+    return pools, rows, (*fields, lengths, stopped), k
 
 
-def gather_rows(rows: Rows, idx: jax.Array, valid: jax.Array, num_rows: int) -> Rows:
-    """Rows ``idx`` ``[R']`` of ``rows``; where ``valid`` is False a padding row (done,
-    global index ``num_rows``)."""
-    out = _take(rows, idx)
-    return along_batch(out._replace(done=out.done | ~valid,
-                                    row_ids=jnp.where(valid, out.row_ids, num_rows)))
+def grow_pool(pools, pages: int):
+    """The pools with each shard's pool padded to ``pages`` pages (zeros)."""
+    def pad(kp, vp):
+        extra = ((0, 0), (0, pages - kp.shape[1]), (0, 0), (0, 0))
+        return jnp.pad(kp, extra), jnp.pad(vp, extra)
+
+    grown = [per_shard(pad, (kp, vp), (), 2, 0) for kp, vp in zip(*pools)]
+    return along_pages((tuple(g[0] for g in grown), tuple(g[1] for g in grown)))
 
 
 class CompactEngine:
-    """The host side of ``compact``: compiles its three functions once per shape and
-    drives the chunks.
+    """The host side of ``compact``: compiles its functions once per shape, plans the
+    pages and drives the chunks.
 
     Args:
       merge: ``params -> model``.
@@ -177,91 +215,236 @@ class CompactEngine:
       chunk: decode steps between compactions (>= 1).
       rung_multiple: every rung of the row ladder below its top is a multiple of it (a
         multiple of ``row_multiple``).
-      row_multiple: the rows of a call are padded to a multiple of it (the batch shards
-        on a mesh): the ladder's top.
+      row_multiple: the batch shards n: rows are split in order over them (``ceil(B /
+        n)`` each).
       growth: the ladder's growth (``jaxhead.bucket_ladder``): the decode work is at most
         about this factor over the rows' lengths rounded up to whole chunks.
-      jit, read: how functions compile and device rows are read back (``models.generate.api``).
+      page_size: S, slots per page of the KV cache.
+      max_rows: the most rows decoding at once over all shards (0: every row): the others
+        wait and take the places finished rows free (continuous batching).
+      jit, read: how functions compile and device rows are read back
+        (``models.generate.api``).
+
+    Attributes:
+      pool_pages: pages per shard the next call's pool starts with (the most a call has
+        needed, rounded up: later calls of the same workload do not grow it).
 
     Raises:
-      ValueError: ``chunk < 1`` (named); a bad ladder (``jaxhead.bucket_ladder``).
+      ValueError: ``chunk``, ``page_size`` or ``max_rows`` out of range, ``rung_multiple``
+        not a multiple of ``row_multiple`` (named); a bad ladder
+        (``jaxhead.bucket_ladder``).
     """
 
     def __init__(self, merge: Callable, d: Decoding, *, chunk: int, rung_multiple: int,
-                 growth: float, row_multiple: int = 1, jit: Jit = jax.jit,
-                 read: Read = jax.device_get):
-        if not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"decode chunk must be a positive int, got {chunk!r}")
+                 growth: float, row_multiple: int = 1, page_size: int = 64,
+                 max_rows: int = 0, jit: Jit = jax.jit, read: Read = jax.device_get):
+        for name, value, low in (("decode chunk", chunk, 1), ("page_size", page_size, 1),
+                                 ("max_rows", max_rows, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if rung_multiple % row_multiple:
+            raise ValueError(f"rung_multiple ({rung_multiple}) must be a multiple of the "
+                             f"batch shards ({row_multiple})")
         jaxhead.bucket_ladder(1, multiple=rung_multiple, growth=growth)  # checks the ladder
-        self.merge, self.d, self.chunk = merge, d, chunk
+        self.merge, self.d, self.chunk, self.page_size = merge, d, chunk, page_size
         self.multiple, self.growth, self.jit, self.read = rung_multiple, growth, jit, read
-        self.row_multiple = row_multiple
+        self.shards, self.max_rows = row_multiple, max_rows
+        self.pool_pages = 0
         self._fns: dict = {}
 
-    def _fn(self, name: str, num_rows: int):
-        if (name, num_rows) not in self._fns:
-            d, merge = self.d, self.merge
+    def _fn(self, name: str, static):
+        """The compiled function ``name`` for its static value (rows, or pool pages)."""
+        if (name, static) not in self._fns:
+            d, merge, kw = self.d, self.merge, {}
             if name == "prefill":
-                def fn(params, *args):
-                    return prefill(merge(params), *args, d, num_rows)
+                def fn(params, pools, *args):
+                    return prefill(merge(params), pools, *args, d, static)
+                kw = {"donate_argnums": 1}
             elif name == "chunk":
-                def fn(params, rows, record, key, start, temperature, trunc):
-                    return decode_chunk(merge(params), rows, record, key, start, temperature,
-                                        trunc, d, num_rows, self.chunk)
-            else:
-                def fn(rows, idx, valid):
-                    return gather_rows(rows, idx, valid, num_rows)
-            self._fns[name, num_rows] = self.jit(fn)
-        return self._fns[name, num_rows]
+                num_rows, lockstep = static
+
+                def fn(params, pools, rows, tables, record, key, start, temperature, trunc):
+                    return decode_chunk(merge(params), pools, rows, tables, record, key,
+                                        start, temperature, trunc, d, num_rows, self.chunk,
+                                        lockstep)
+                kw = {"donate_argnums": (1, 4)}
+            elif name == "assemble":
+                fn = assemble
+            elif name == "grow":
+                def fn(pools):
+                    return grow_pool(pools, static)
+                kw = {"donate_argnums": 0}
+            else:  # "pool": an empty pool of ``static`` pages per shard
+                def fn(params):
+                    return along_pages(init_pages(merge(params).cfg, self.shards * static,
+                                                  self.page_size))
+            self._fns[name, static] = self.jit(fn, **kw)
+        return self._fns[name, static]
 
     def ladder(self, rows: int) -> list[int]:
-        """The row ladder of a call of ``rows`` real rows (its top holds them all)."""
-        top = -(-rows // self.row_multiple) * self.row_multiple
-        return jaxhead.bucket_ladder(top, multiple=self.multiple, growth=self.growth)
+        """The per-shard row ladder of a call of ``rows`` real rows (its top holds a
+        shard's rows, or ``max_rows / n`` of them)."""
+        top = self._cap(-(-rows // self.shards))
+        return jaxhead.bucket_ladder(top, multiple=self.multiple // self.shards,
+                                     growth=self.growth)
+
+    def _cap(self, per_shard_rows: int) -> int:
+        if not self.max_rows:
+            return per_shard_rows
+        return min(per_shard_rows, -(-self.max_rows // self.shards))
+
+    def _pool_size(self, need: int) -> int:
+        """Pages per shard that hold ``need``: ``pool_pages`` doubled until they do."""
+        size = max(self.pool_pages, POOL_MULTIPLE)
+        while size < need:
+            size *= 2
+        return size
+
+    def _plan_prefill(self, prompts, lens, source, real: int, per: int,
+                      alloc: PageAllocator):
+        """The prefill's host arrays and each row's pages (see ``prefill``).
+
+        Returns ``(prompts [n U, W], lens [n U], src [n E], dest [n E], prompt_of [B'],
+        pages {row: [page]}, prompt tokens prefilled)``; ``alloc`` holds the pages."""
+        n, size = self.shards, self.page_size
+        per_page = prompts.shape[1] // size
+        groups = []
+        for s in range(n):
+            rows = range(s * per, min(s * per + per, real))
+            uniq = sorted({int(source[r]) for r in rows})
+            groups.append((rows, uniq))
+        width = max(1, *(len(u) for _, u in groups))
+        need = [sum(lens[u] // size for u in uniq) + sum(bool(lens[source[r]] % size)
+                                                        for r in rows)
+                for rows, uniq in groups]
+        alloc.grow(self._pool_size(max(need)))
+        slot_of = np.zeros(n * width, np.int64)  # the prompt in each prefill row
+        prompt_of = np.repeat(np.arange(n) * width, per).astype(np.int32)
+        entries: list[list[tuple[int, int]]] = []
+        pages: dict[int, list[int]] = {}
+        for s, (rows, uniq) in enumerate(groups):
+            entries.append([])
+            for i, u in enumerate(uniq):
+                slot_of[s * width + i] = u
+                mine = [r for r in rows if source[r] == u]
+                whole, part = divmod(int(lens[u]), size)
+                shared = alloc.take(s, whole, readers=len(mine))
+                entries[s] += [(i * per_page + j, p) for j, p in enumerate(shared)]
+                for r in mine:
+                    prompt_of[r] = s * width + i
+                    own = alloc.take(s, 1) if part else []
+                    entries[s] += [(i * per_page + whole, p) for p in own]
+                    pages[r] = shared + own
+        most = max(1, *(len(e) for e in entries))
+        src = np.zeros((n, most), np.int32)
+        dest = np.full((n, most), NO_PAGE, np.int32)
+        for s, e in enumerate(entries):
+            if e:
+                src[s, :len(e)], dest[s, :len(e)] = zip(*e)
+        tokens = int(sum(lens[u] for _, uniq in groups for u in uniq))
+        return (prompts[slot_of], lens[slot_of].astype(np.int32), src.ravel(), dest.ravel(),
+                prompt_of, pages, tokens)
+
+    def _pages_for_chunk(self, batch, length, lens, budgets, pages, alloc: PageAllocator):
+        """Give every row of ``batch`` the pages of the slots the next chunk may write;
+        returns the pool size (pages per shard) that needs."""
+        size, wanted = self.page_size, []
+        for s, rows in enumerate(batch):
+            more = {}
+            for r in rows:
+                slot = lens[r] + length[r] - 1  # the next write
+                limit = min(slot + self.chunk, lens[r] + budgets[r] - 1)
+                more[r] = max(0, -(-limit // size) - len(pages[r]))
+            wanted.append(more)
+        need = max(alloc.size - alloc.free(s) + sum(m.values()) for s, m in enumerate(wanted))
+        if need > alloc.size:
+            return need
+        for s, more in enumerate(wanted):
+            for r, count in more.items():
+                pages[r] = pages[r] + alloc.take(s, count)
+        return alloc.size
 
     def __call__(self, params, prompts, lens, budgets: np.ndarray, key, temperature, trunc,
-                 *, group_size: int, prompt_tokens: int) -> tuple[tuple[jax.Array, ...], Work]:
+                 *, group_size: int) -> tuple[tuple[jax.Array, ...], Work]:
         """Rollouts of ``len(budgets)`` rows (``G`` per prompt row, in order).
 
         Args:
           params: the policy's parameters (in the layout ``jit`` expects).
-          prompts, lens: ``[U, W]`` / ``[U]`` distinct prompts (device or host; rows past
-            ``len(budgets) / G`` are padding).
-          budgets: int ``[B]`` host array: each row's token budget (``<= T``).
-          group_size: G, consecutive rows per prompt row (one compile serves every G).
+          prompts, lens: host ``[U, W]`` / ``[U]`` distinct prompts, right-padded.
+          budgets: int ``[B]`` host array: each row's token budget (``<= T``); row ``r``
+            continues prompt ``r // G``.
           key, temperature, trunc: as ``models.generate.reference.generate``.
-          prompt_tokens: the real prompt tokens (for ``Work``).
+          group_size: G, consecutive rows per prompt row (one compile serves every G).
 
         Returns:
-          ``(record, work)``: record as ``prefill``'s (device arrays ``[B', ...]``, ``B' >=
-          B`` rows, the first B real) and the ``Work`` done.
+          ``(record, work)``: record as ``prefill``'s (device arrays ``[B', ...]``, ``B'
+          >= B`` rows, the first B real) and the ``Work`` done.
         """
-        d, real = self.d, len(budgets)
-        ladder = self.ladder(real)
-        size = ladder[-1]
-        row_ids = np.arange(size, dtype=np.int32)
-        source = np.minimum(row_ids // group_size, prompts.shape[0] - 1).astype(np.int32)
-        row_ids[real:] = size  # padding
-        full = np.zeros(size, np.int32)
+        d, n, size = self.d, self.shards, self.page_size
+        prompts, lens = np.asarray(prompts), np.asarray(lens).astype(np.int64)
+        prompts = np.pad(prompts, ((0, 0), (0, -prompts.shape[1] % size)))
+        real = len(budgets)
+        per = -(-real // n)
+        num_rows = per * n
+        row_ids = np.arange(num_rows, dtype=np.int32)
+        row_ids[real:] = num_rows
+        source = np.minimum(np.arange(num_rows) // group_size, len(lens) - 1)
+        full = np.ones(num_rows, np.int32)
         full[:real] = budgets
-        rows, record = self._fn("prefill", size)(
-            params, prompts, lens, jnp.asarray(source), jnp.asarray(row_ids),
-            jnp.asarray(full), key, temperature, trunc)
-        work, start = 0, 1
-        while start < d.max_new_tokens:
-            done = np.asarray(self.read(rows.done))
-            active = np.flatnonzero(~done)
-            if not len(active):
+        alloc = PageAllocator(n)
+        pprompts, plens, src, dest, prompt_of, pages, tokens = self._plan_prefill(
+            prompts, lens, source, real, per, alloc)
+        pools = self._fn("pool", alloc.size)(params)
+        pools, first, record = self._fn("prefill", num_rows)(
+            params, pools, pprompts, plens, src, dest, prompt_of, row_ids, full, key,
+            temperature, trunc)
+        done0 = np.asarray(self.read(first.done))
+        for r in np.flatnonzero(done0[:real]):  # ended on their first token
+            alloc.release(r // per, pages.pop(r))
+        cap = self._cap(per)
+        ladder, lockstep = self.ladder(real), cap >= per
+        width = -(-(prompts.shape[1] + d.max_new_tokens) // size)
+        waiting = [[r for r in range(s * per, min(s * per + per, real)) if not done0[r]]
+                   for s in range(n)]
+        batch: list[list[int]] = [[] for _ in range(n)]
+        length, plen = dict.fromkeys(range(real), 1), lens[source]
+        place: dict[int, int] = {}  # row -> its place in ``rows``
+        rows, work, start = first, 0, 1
+        while True:
+            for s in range(n):  # waiting rows take the free places
+                free = cap - len(batch[s])
+                batch[s], waiting[s] = batch[s] + waiting[s][:free], waiting[s][free:]
+            if not any(batch):
                 break
-            rung = next(r for r in ladder if r >= len(active))
-            if rung < len(done):  # a smaller rung holds the active rows: move them there
-                idx = np.zeros(rung, np.int32)
-                idx[:len(active)] = active
-                valid = np.arange(rung) < len(active)
-                rows = self._fn("gather", size)(rows, jnp.asarray(idx), jnp.asarray(valid))
-            rows, record, k = self._fn("chunk", size)(params, rows, record, key,
-                                                      jnp.int32(start), temperature, trunc)
-            work += rung * int(self.read(k))
+            rung = next(r for r in ladder if r >= max(map(len, batch)))
+            need = self._pages_for_chunk(batch, length, plen, full, pages, alloc)
+            if need > alloc.size:
+                grown = self._pool_size(need)
+                pools = self._fn("grow", grown)(pools)
+                alloc.grow(grown)
+                self._pages_for_chunk(batch, length, plen, full, pages, alloc)
+            fresh = np.zeros(n * rung, bool)
+            idx = np.full(n * rung, -1, np.int32)
+            tables = np.zeros((n * rung, width), np.int32)
+            for s, rs in enumerate(batch):
+                for j, r in enumerate(rs):
+                    g = s * rung + j
+                    fresh[g], idx[g] = r not in place, place.get(r, r)
+                    tables[g, :len(pages[r])] = pages[r]
+            place = {r: s * rung + j for s, rs in enumerate(batch) for j, r in enumerate(rs)}
+            rows = self._fn("assemble", None)(rows, first, fresh, idx)
+            pools, rows, record, k = self._fn("chunk", (num_rows, lockstep))(
+                params, pools, rows, tables, record, key, np.int32(start), temperature,
+                trunc)
+            got_len, got_done, k = self.read((rows.length, rows.done, k))
+            work += n * rung * int(k)
             start += self.chunk
-        slots = int(math.prod(prompts.shape))
-        return record, Work(prompt_tokens, slots, work)
+            for s in range(n):
+                for r in list(batch[s]):
+                    length[r] = int(got_len[place[r]])
+                    if got_done[place[r]]:
+                        alloc.release(s, pages.pop(r))
+                        batch[s].remove(r)
+        self.pool_pages = max(self.pool_pages, alloc.size)
+        slots = int(pprompts.shape[0] * pprompts.shape[1])
+        return record, Work(tokens, slots, work, alloc.peak * size)

@@ -223,6 +223,30 @@ def test_row_ids_draw_the_rows_of_the_whole_batch(truncation):
         jaxhead.sample(hidden, weight, key, num_rows=16)
 
 
+@pytest.mark.parametrize("truncation", [{}, {"top_k": 20}], ids=str)
+def test_per_row_keys_draw_what_each_key_draws_alone(truncation):
+    # a decoder whose rows are at different steps gives each row its step's key: row b
+    # then draws what row row_ids[b] of a whole-batch call with key[b] draws
+    hidden, weight, _ = head_inputs(16, 16, 16, 500)
+    key = jax.random.key(8)
+    steps = jnp.array([0, 3, 3, 1, 7], jnp.int32)
+    ids = jnp.array([13, 2, 5, 7, 15], jnp.int32)
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(key, steps)
+    got = jax.jit(lambda h, k: jaxhead.sample(h, weight, k, temperature=1.0, row_ids=ids,
+                                              num_rows=16, **truncation))(hidden[ids], keys)
+    for b, (step, row) in enumerate(zip(np.asarray(steps), np.asarray(ids))):
+        whole = jaxhead.sample(hidden, weight, jax.random.fold_in(key, step),
+                               temperature=1.0, **truncation)
+        assert got.tokens[b] == whole.tokens[row], (b, step, row)
+        np.testing.assert_allclose(got.logprobs[b], whole.logprobs[row], atol=1e-6, rtol=0)
+    alone = jaxhead.sample(hidden[:3], weight, keys[:3], temperature=1.0)  # no row_ids
+    for b in range(3):
+        want = jaxhead.sample(hidden[b:b + 1], weight, keys[b], temperature=1.0)
+        assert alone.tokens[b] == want.tokens[0]
+    with pytest.raises(ValueError, match=r"one per row \(\[16\]\), got keys of shape \(5,\)"):
+        jaxhead.sample(hidden, weight, keys, row_ids=jnp.arange(16), num_rows=16)
+
+
 def test_bad_arguments_raise():
     hidden, weight, _ = head_inputs(9, 4, 8, 20)
     key = jax.random.key(0)

@@ -2,7 +2,9 @@
 ``compact`` engine draws the ``reference`` engine's tokens for the same key (G > 1, uneven
 prompt lengths, per-row budgets, stop tokens, untruncated / truncated / greedy), and does
 the work it should: each prompt prefilled once, decode row-steps that follow the rows'
-lengths through the row ladder.
+lengths through the row ladder, a paged KV cache that holds what the rows wrote (the G
+samples of a prompt share its full pages). ``waiting`` is ``compact`` with fewer places
+than rows (continuous batching: rows start at different steps, each with its own key).
 
 The 8-device mesh case is ``tests/train/test_sharded_rollout.py``."""
 
@@ -17,7 +19,10 @@ from models import get_config
 from tests.support.models import random_model
 from train import rollout, state
 
-T, G, CHUNK, MULTIPLE, GROWTH = 12, 3, 3, 4, 1.5
+T, G, CHUNK, MULTIPLE, GROWTH, PAGE = 12, 3, 3, 4, 1.5, 4
+#: engine name -> (``Generator`` engine, its paging arguments)
+ENGINES = {"reference": ("reference", {}), "compact": ("compact", {"page_size": PAGE}),
+           "waiting": ("compact", {"page_size": PAGE, "max_decode_rows": 5})}
 STOPS = tuple(range(0, 500, 12))  # ~1 in 12 ids: about half the rows stop early
 #: (temperature, truncation) of the compared calls; the first two share compiled
 #: functions, the truncated path compiles its own (slow)
@@ -47,10 +52,10 @@ def _rollouts(policy, workload, names) -> dict:
     mdef, params = policy
     prompts, budgets = workload
     out = {}
-    for engine in ("reference", "compact"):
+    for engine, (impl, paging) in ENGINES.items():
         gen = rollout.Generator(mdef, max_new_tokens=T, stop_ids=STOPS, num_valid=500,
-                                engine=engine, decode_chunk=CHUNK, rung_multiple=MULTIPLE,
-                                rung_growth=GROWTH)
+                                engine=impl, decode_chunk=CHUNK, rung_multiple=MULTIPLE,
+                                rung_growth=GROWTH, **paging)
         for name in names:
             temperature, trunc = CALLS[name]
             ro = gen(params, prompts, jax.random.key(9), temperature=temperature,
@@ -69,10 +74,11 @@ def truncated(policy, workload):
     return _rollouts(policy, workload, ("truncated",))
 
 
+@pytest.mark.parametrize("engine", ["compact", "waiting"])
 @pytest.mark.parametrize("name", [*FAST, pytest.param("truncated", marks=pytest.mark.slow)])
-def test_compact_draws_the_reference_tokens(request, workload, name):
+def test_compact_draws_the_reference_tokens(request, workload, name, engine):
     rollouts = request.getfixturevalue("truncated" if name == "truncated" else "rollouts")
-    (ref, _), (got, _) = rollouts["reference", name], rollouts["compact", name]
+    (ref, _), (got, _) = rollouts["reference", name], rollouts[engine, name]
     differ = int(np.sum(ref.tokens != got.tokens))
     assert differ == 0, f"{differ} tokens differ"
     np.testing.assert_array_equal(got.lengths, ref.lengths)
@@ -118,12 +124,33 @@ def test_work_follows_the_completions(rollouts, workload):
         assert work.decode_row_steps < 0.8 * ref.decode_row_steps
 
 
+def test_kv_cache_holds_what_the_rows_write(rollouts, workload):
+    """The paged cache's peak is at most the prompts' full pages once per prompt plus,
+    per row, its own pages of what it wrote and the next chunk's; the reference holds
+    ``W + T`` slots for every row."""
+    prompts, _ = workload
+    lens = np.repeat([len(p) for p in prompts], G)
+    for engine in ("compact", "waiting"):
+        (ro, ref), (_, work) = rollouts["reference", "sampled"], rollouts[engine, "sampled"]
+        shared = sum(len(p) // PAGE for p in prompts)
+        written = lens + ro.lengths - 1 + CHUNK  # at most a chunk past the last write
+        own = np.ceil(written / PAGE) - lens // PAGE
+        assert 0 < work.kv_slots <= PAGE * (shared + own.sum()), engine
+        assert ref.kv_slots == len(lens) * (64 + T)  # prompts padded to 64 slots
+        assert work.kv_slots < ref.kv_slots / 4, engine
+
+
 def test_bad_arguments_raise(policy):
     mdef, params = policy
     with pytest.raises(ValueError, match="rollout.engine = 'paged': must be one of"):
         rollout.Generator(mdef, max_new_tokens=4, stop_ids=(), num_valid=500, engine="paged")
-    with pytest.raises(ValueError, match="decode chunk must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="decode chunk must be an int >= 1, got 0"):
         rollout.Generator(mdef, max_new_tokens=4, stop_ids=(), num_valid=500, decode_chunk=0)
+    with pytest.raises(ValueError, match="page_size must be an int >= 1, got 0"):
+        rollout.Generator(mdef, max_new_tokens=4, stop_ids=(), num_valid=500, page_size=0)
+    with pytest.raises(ValueError, match="max_rows must be an int >= 0, got -1"):
+        rollout.Generator(mdef, max_new_tokens=4, stop_ids=(), num_valid=500,
+                          max_decode_rows=-1)
     gen = rollout.Generator(mdef, max_new_tokens=4, stop_ids=(), num_valid=500)
     key = jax.random.key(0)
     with pytest.raises(ValueError, match=r"max_new_tokens must be ints in \[1, 4\]"):

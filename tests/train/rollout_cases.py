@@ -42,6 +42,7 @@ def _prompts(groups: int, group_size: int = 2) -> list[list[int]]:
 
 
 def _generator(mdef, placement, **kw) -> rollout.Generator:
+    kw = {"page_size": 4, **kw}  # prompts of 3-13 tokens take several pages
     return rollout.Generator(mdef, max_new_tokens=MAX_NEW, stop_ids=STOPS, num_valid=500,
                              placement=placement, **kw)
 
@@ -136,8 +137,9 @@ def decode_collectives_case() -> dict:
 def compact_vs_reference_case() -> dict:
     """The ``compact`` engine on ``DECODE_MESH`` (8 devices; rows over fsdp x expert) and
     the ``reference`` engine on one device, same key: 4 prompts of uneven lengths x G = 4,
-    per-row budgets and frequent stop ids (rungs 16 -> 8 as rows finish), untruncated,
-    truncated and greedy."""
+    per-row budgets and frequent stop ids, pages of 4 slots and at most 8 rows decoding
+    at once (one per device: the others wait for a place), untruncated, truncated and
+    greedy."""
     mdef, params = _policy()
     rng = np.random.default_rng(12)
     prompts = [rng.integers(20, 500, n).tolist() for n in (3, 12, 5, 9)]
@@ -145,7 +147,8 @@ def compact_vs_reference_case() -> dict:
     stops = tuple(range(0, 500, 12))
     placement = Placement(make_mesh(DECODE_MESH), mdef)
     kw = {"max_new_tokens": MAX_NEW, "stop_ids": stops, "num_valid": 500}
-    engines = {"compact": (rollout.Generator(mdef, placement=placement, decode_chunk=2, **kw),
+    engines = {"compact": (rollout.Generator(mdef, placement=placement, decode_chunk=2,
+                                            page_size=4, max_decode_rows=8, **kw),
                            placement.place_params(params)),
                "reference": (rollout.Generator(mdef, engine="reference", **kw), params)}
     out = {}

@@ -40,6 +40,7 @@ BAD = {
     "rollout.prompts_per_step": 0, "rollout.group_size": 1, "rollout.max_new_tokens": 0,
     "rollout.temperature": 0.0, "rollout.top_k": -1, "rollout.top_p": 0.0,
     "rollout.min_p": 1.0, "rollout.engine": "fast", "rollout.decode_chunk": 0,
+    "rollout.page_size": 0, "rollout.max_decode_rows": -1,
     "loss.advantage": "ppo", "loss.negative_weight": 1.5, "loss.eps_low": 1.0,
     "loss.eps_high": -0.2, "loss.beta": -0.01, "loss.kl_estimator": "k4",
     "loss.entropy_coef": float("nan"), "loss.aggregation": "sum",

@@ -1,0 +1,202 @@
+"""Decode attention over a paged KV cache (``models.cache.PagedKVCache``): one new token
+per row reads only the slots its row has written.
+
+Implementations (``PAGED``, ``"auto"`` picks ``"xla"``):
+
+* ``"xla"``: a ``while_loop`` over blocks of ``pages_per_block`` pages up to the longest
+  row of the batch (a dynamic trip count: slots past it are never read), gathering each
+  block's pages through the block table, with an online softmax in float32.
+* ``"dense"``: every page of every row's table gathered at once, masked by the row's
+  length: the test reference.
+
+A row with ``slots = -1`` (finished, or padding) reads nothing and returns zeros; its
+write is dropped.
+
+Under a mesh the pool is split along its page axis over the batch axes present and the
+rows along theirs, a row's page ids being local to its shard: the write and the
+attention run inside ``jax.shard_map`` (manual over those axes only, so the heads stay
+split as the compiler chooses), and no device reads another's pages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxhead import dispatch
+from models.mesh import BATCH_AXES
+
+#: Pages read per iteration of the ``"xla"`` loop (fewer when the table is narrower).
+PAGES_PER_BLOCK = 8
+
+
+def _scores(q: jax.Array, keys: jax.Array, scale: float) -> jax.Array:
+    """float32 ``[R, K, G, L]`` of ``q`` ``[R, K, G, D]`` and ``keys`` ``[K, R, L, D]``."""
+    return jnp.einsum("rkgd,krld->rkgl", q, keys,
+                      preferred_element_type=jnp.float32) * scale
+
+
+def _gather(pages: jax.Array, tables: jax.Array) -> jax.Array:
+    """``[K, R, n S, D]``: the pages ``tables`` ``[R, n]`` of ``pages`` ``[K, P, S, D]``."""
+    k, _, s, d = pages.shape
+    r, n = tables.shape
+    return pages[:, tables].reshape(k, r, n * s, d)
+
+
+def _grouped(q: jax.Array, heads: int) -> jax.Array:
+    r, n, d = q.shape
+    return q.reshape(r, heads, n // heads, d)
+
+
+def dense_paged(q, k_pages, v_pages, tables, lengths, scale):
+    """``"dense"``: the whole table of every row at once (see the module docstring)."""
+    keys, values = _gather(k_pages, tables), _gather(v_pages, tables)
+    s = _scores(_grouped(q, k_pages.shape[0]), keys, scale)
+    mask = jnp.arange(keys.shape[2]) < lengths[:, None, None, None]
+    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+    p = jnp.where(mask, p, 0.0)
+    out = jnp.einsum("rkgl,krld->rkgd", p, values.astype(jnp.float32))
+    return out.reshape(q.shape).astype(v_pages.dtype)
+
+
+def xla_paged(q, k_pages, v_pages, tables, lengths, scale,
+              pages_per_block: int = PAGES_PER_BLOCK):
+    """``"xla"``: blocks of pages up to the longest row (see the module docstring)."""
+    heads, _, size, _ = k_pages.shape
+    width = tables.shape[1]
+    block = min(pages_per_block, width)
+    tables = jnp.pad(tables, ((0, 0), (0, -width % block)))
+    qg = _grouped(q, heads)
+    span = block * size
+    trips = (jnp.max(lengths, initial=0) + span - 1) // span
+
+    def body(j, carry):
+        m, l, acc = carry
+        ids = jax.lax.dynamic_slice_in_dim(tables, j * block, block, axis=1)
+        keys, values = _gather(k_pages, ids), _gather(v_pages, ids)
+        s = _scores(qg, keys, scale)
+        mask = j * span + jnp.arange(span) < lengths[:, None, None, None]
+        s = jnp.where(mask, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.where(mask, jnp.exp(s - safe[..., None]), 0.0)
+        corr = jnp.where(jnp.isfinite(m), jnp.exp(m - safe), 0.0)
+        acc = acc * corr[..., None] + jnp.einsum("rkgl,krld->rkgd", p,
+                                                 values.astype(jnp.float32))
+        return m_new, l * corr + p.sum(-1), acc
+
+    shape = qg.shape[:-1]
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(qg.shape, jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, trips, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return out.reshape(q.shape).astype(v_pages.dtype)
+
+
+#: ``paged_attention``'s implementations, in ``"auto"``'s order.
+PAGED: dispatch.Registry[Callable] = dispatch.Registry("paged attention impl", [
+    dispatch.Entry("xla", lambda plan, *args: xla_paged(*args)),
+    dispatch.Entry("dense", lambda plan, *args: dense_paged(*args), auto=False),
+])
+
+
+def _split_axes() -> tuple[jax.sharding.AbstractMesh, tuple[str, ...]]:
+    """The mesh in context and its batch axes of size > 1 not already manual."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return mesh, ()
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types))
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    return mesh, tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1
+                       and kinds[a] != jax.sharding.AxisType.Manual)
+
+
+def per_shard(fn: Callable, pools: tuple, rows: tuple, out_pools: int, out_rows: int):
+    """``fn(*pools, *rows)`` with the pools ``[K, P, S, D]`` split along their page axis
+    and the row arrays along their leading axis over the mesh's batch axes
+    (``jax.shard_map``, manual over those axes only); a plain call without them.
+    ``fn`` returns ``out_pools`` pools then ``out_rows`` row arrays (one array: not in a
+    tuple).
+
+    Raises:
+      ValueError: the pages or rows do not split evenly over those axes (named).
+    """
+    mesh, axes = _split_axes()
+    if not axes:
+        return fn(*pools, *rows)
+    shards = math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[a] for a in axes)
+    if pools[0].shape[1] % shards or rows[0].shape[0] % shards:
+        raise ValueError(f"a paged cache of {pools[0].shape[1]} pages and {rows[0].shape[0]}"
+                         f" rows does not split over the batch axes {axes} ({shards} shards)")
+    pool_spec, row_spec = P(None, axes), P(axes)
+    out_specs = (pool_spec,) * out_pools + (row_spec,) * out_rows
+    return jax.shard_map(lambda *a: fn(*a), mesh=mesh,
+                         in_specs=(pool_spec,) * len(pools) + (row_spec,) * len(rows),
+                         out_specs=out_specs[0] if len(out_specs) == 1 else out_specs,
+                         axis_names=set(axes), check_vma=False)(*pools, *rows)
+
+
+def write_pages(k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array,
+                slots: jax.Array, keys: jax.Array, values: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    """The pools with each row's new key and value written at its slot.
+
+    Args:
+      k_pages, v_pages: ``[K, P, S, D]``.
+      tables: int32 ``[R, M]`` block tables; slots: int32 ``[R]`` (-1: no write).
+      keys, values: ``[R, K, D]`` the new token's.
+
+    Returns:
+      ``(k_pages, v_pages)`` (rows with ``slots = -1`` write nothing).
+    """
+    def write(kp, vp, tables, slots, k, v):
+        size, pages = kp.shape[2], kp.shape[1]
+        row = jnp.arange(tables.shape[0])
+        page = tables[row, jnp.clip(slots, 0) // size]
+        page = jnp.where(slots >= 0, page, pages)  # out of range: dropped
+        off = jnp.clip(slots, 0) % size
+        k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)  # [K, R, D]
+        return (kp.at[:, page, off].set(k.astype(kp.dtype), mode="drop"),
+                vp.at[:, page, off].set(v.astype(vp.dtype), mode="drop"))
+
+    return per_shard(write, (k_pages, v_pages), (tables, slots, keys, values), 2, 0)
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                    tables: jax.Array, slots: jax.Array, *, scale: float,
+                    impl: str = "auto") -> jax.Array:
+    """One new token per row attending to its row's written slots ``[0, slots]``.
+
+    Args:
+      q: ``[R, N, D]`` the new tokens' queries (``N % K == 0``, grouped-query).
+      k_pages, v_pages: ``[K, P, S, D]`` the pool, the new tokens already written
+        (``write_pages``).
+      tables: int32 ``[R, M]`` block tables; slots: int32 ``[R]`` (-1: read nothing).
+      scale: logit scale (``D ** -0.5``).
+      impl: ``"auto"`` or one of ``PAGED.names``.
+
+    Returns:
+      ``[R, N, D]`` in the dtype of ``v_pages`` (zeros for rows with ``slots = -1``).
+
+    Raises:
+      ValueError: unknown ``impl``; pages or rows that do not split over the mesh.
+    """
+    run = PAGED.resolve(impl)
+
+    def attend(kp, vp, q, tables, slots):
+        return run(q, kp, vp, tables, slots + 1, scale)
+
+    return per_shard(attend, (k_pages, v_pages), (q, tables, slots), 0, 1)
+
+
+def along_pages(tree):
+    """``tree`` with every ``[K, P, S, D]`` pool constrained to be split along its page
+    axis over the mesh's batch axes; unchanged without them."""
+    _, axes = _split_axes()
+    if not axes:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P(None, axes)), tree)
