@@ -271,9 +271,8 @@ class CompactEngine:
             elif name == "assemble":
                 fn = assemble
             elif name == "grow":
-                def fn(pools):
+                def fn(pools):  # (a larger output: the input cannot be donated)
                     return grow_pool(pools, static)
-                kw = {"donate_argnums": 0}
             else:  # "pool": an empty pool of ``static`` pages per shard
                 def fn(params):
                     return along_pages(init_pages(merge(params).cfg, self.shards * static,
