@@ -117,11 +117,9 @@ def measure(config: str, preset: str, topology: str, mesh_sizes: dict[str, int] 
         for name, written in (("T/4 written", steps // 4), ("T written", steps)):
             pages_of[name] = prompt_pages + per * -(-(written + chunk) // size)
         dtype = jnp.dtype(model_cfg.dtype)
-        by_pages = NamedSharding(mesh, P(None, present(mesh, BATCH_AXES)))
-
         def pools(pages):
-            one = jax.ShapeDtypeStruct((kv_heads, n * pages, size, head_dim), dtype,
-                                       sharding=by_pages)
+            one = jax.ShapeDtypeStruct((n * pages, kv_heads, size, head_dim), dtype,
+                                       sharding=by_rows)
             return ((one,) * model_cfg.num_hidden_layers,) * 2
 
         record = tuple(ints(rows, steps, dtype=t) for t in (jnp.int32, jnp.float32,
@@ -140,11 +138,11 @@ def measure(config: str, preset: str, topology: str, mesh_sizes: dict[str, int] 
                            ints(rows, table), record, key, ints(sharding=rep), temp, trunc)
             out.append((f"compact: decode chunk, {name}", pages_of[name] * size,
                         *_memory(low)))
-    where = (f"{config}: {preset} ({model_cfg.num_hidden_layers} layers, {model_cfg.dtype} compute, "
-             f"{model_cfg.param_dtype} parameters), mesh "
-             + " x ".join(f"{k}={v}" for k, v in sizes.items() if v > 1)
-             + f" on {'XLA:CPU' if topology == 'cpu' else topology}; {prompts} prompts x G = {group} ({rows} rows, {per} per "
-             f"device), prompts of {width} tokens, T = {steps}, page size {size}, decode "
+    where = (f"{config}: {preset} ({model_cfg.num_hidden_layers} layers, "
+             f"{model_cfg.dtype} compute, {model_cfg.param_dtype} parameters), mesh "
+             + " x ".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1)
+             + f" on {'XLA:CPU' if topology == 'cpu' else topology}; {prompts} prompts x "
+             f"G = {group} ({rows} rows, {per} per device), prompts of {width} tokens, T = {steps}, page size {size}, decode "
              f"chunk {chunk}")
     return out, where
 

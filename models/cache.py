@@ -131,8 +131,10 @@ class PagedKVCache(NamedTuple):
     its shard (``models.attention.paged``).
 
     Attributes:
-      keys, values: one ``[K, P, S, D]`` array per layer (the layout of JAX's TPU paged
-        attention kernel), compute dtype, post-RoPE keys.
+      keys, values: one ``[P, K, S, D]`` array per layer, compute dtype, post-RoPE keys (a
+        page's slots of one head contiguous: the layout the block gathers of the attention
+        read, which the decode step's write keeps, so the compiler updates the pool in
+        place).
       block_tables: int32 ``[R, M]``: the pages of each row's slots ``[0, M S)``.
       slots: int32 ``[R]``: the slot the new token is written at (= its position); the
         token then attends to slots ``[0, slots]``. -1: the row writes and reads nothing
@@ -157,9 +159,9 @@ class PagedLayerKV(NamedTuple):
 def init_pages(cfg: ModelConfig, pages: int, page_size: int, dtype=None
                ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """``(keys, values)``: an empty pool of ``pages`` pages of ``page_size`` slots per layer
-    (zeros ``[K, pages, page_size, D]``, ``dtype`` default ``cfg.dtype``)."""
+    (zeros ``[pages, K, page_size, D]``, ``dtype`` default ``cfg.dtype``)."""
     dtype = cfg.dtype if dtype is None else dtype
-    shape = (cfg.num_key_value_heads, pages, page_size, cfg.head_dim)
+    shape = (pages, cfg.num_key_value_heads, page_size, cfg.head_dim)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
     return zeros, zeros
 

@@ -8,7 +8,7 @@
   xla.py          ``"xla_chunked"``: ``chunked_attention``
   pallas_tpu.py   ``"splash"``: ``splash_attention``
   pallas_gpu.py   ``"pallas_gpu"``: ``pallas_gpu_attention``
-  paged.py        decode over a paged KV cache: ``paged_attention`` (``PAGED``: ``"xla"``,
+  paged.py        decode over a paged KV cache: ``paged_attention`` (``REGISTRY``: ``"xla"``,
                   a dynamic trip count over the written pages; ``"dense"``),
                   ``write_pages``
 The layer is imported from ``models.attention.layer`` (it needs ``models.config``); this

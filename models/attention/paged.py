@@ -1,7 +1,7 @@
 """Decode attention over a paged KV cache (``models.cache.PagedKVCache``): one new token
 per row reads only the slots its row has written.
 
-Implementations (``PAGED``, ``"auto"`` picks ``"xla"``):
+Implementations (``REGISTRY``, ``"auto"`` picks ``"xla"``):
 
 * ``"xla"``: a ``while_loop`` over blocks of ``pages_per_block`` pages up to the longest
   row of the batch (a dynamic trip count: slots past it are never read), gathering each
@@ -35,16 +35,16 @@ PAGES_PER_BLOCK = 8
 
 
 def _scores(q: jax.Array, keys: jax.Array, scale: float) -> jax.Array:
-    """float32 ``[R, K, G, L]`` of ``q`` ``[R, K, G, D]`` and ``keys`` ``[K, R, L, D]``."""
-    return jnp.einsum("rkgd,krld->rkgl", q, keys,
+    """float32 ``[R, K, G, L]`` of ``q`` ``[R, K, G, D]`` and ``keys`` ``[R, K, L, D]``."""
+    return jnp.einsum("rkgd,rkld->rkgl", q, keys,
                       preferred_element_type=jnp.float32) * scale
 
 
 def _gather(pages: jax.Array, tables: jax.Array) -> jax.Array:
-    """``[K, R, n S, D]``: the pages ``tables`` ``[R, n]`` of ``pages`` ``[K, P, S, D]``."""
-    k, _, s, d = pages.shape
+    """``[R, K, n S, D]``: the pages ``tables`` ``[R, n]`` of ``pages`` ``[P, K, S, D]``."""
+    _, k, s, d = pages.shape
     r, n = tables.shape
-    return pages[:, tables].reshape(k, r, n * s, d)
+    return jnp.swapaxes(pages[tables], 1, 2).reshape(r, k, n * s, d)
 
 
 def _grouped(q: jax.Array, heads: int) -> jax.Array:
@@ -55,18 +55,18 @@ def _grouped(q: jax.Array, heads: int) -> jax.Array:
 def dense_paged(q, k_pages, v_pages, tables, lengths, scale):
     """``"dense"``: the whole table of every row at once (see the module docstring)."""
     keys, values = _gather(k_pages, tables), _gather(v_pages, tables)
-    s = _scores(_grouped(q, k_pages.shape[0]), keys, scale)
+    s = _scores(_grouped(q, k_pages.shape[1]), keys, scale)
     mask = jnp.arange(keys.shape[2]) < lengths[:, None, None, None]
     p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
     p = jnp.where(mask, p, 0.0)
-    out = jnp.einsum("rkgl,krld->rkgd", p, values.astype(jnp.float32))
+    out = jnp.einsum("rkgl,rkld->rkgd", p, values.astype(jnp.float32))
     return out.reshape(q.shape).astype(v_pages.dtype)
 
 
 def xla_paged(q, k_pages, v_pages, tables, lengths, scale,
               pages_per_block: int = PAGES_PER_BLOCK):
     """``"xla"``: blocks of pages up to the longest row (see the module docstring)."""
-    heads, _, size, _ = k_pages.shape
+    _, heads, size, _ = k_pages.shape
     width = tables.shape[1]
     block = min(pages_per_block, width)
     tables = jnp.pad(tables, ((0, 0), (0, -width % block)))
@@ -85,7 +85,7 @@ def xla_paged(q, k_pages, v_pages, tables, lengths, scale,
         safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.where(mask, jnp.exp(s - safe[..., None]), 0.0)
         corr = jnp.where(jnp.isfinite(m), jnp.exp(m - safe), 0.0)
-        acc = acc * corr[..., None] + jnp.einsum("rkgl,krld->rkgd", p,
+        acc = acc * corr[..., None] + jnp.einsum("rkgl,rkld->rkgd", p,
                                                  values.astype(jnp.float32))
         return m_new, l * corr + p.sum(-1), acc
 
@@ -98,7 +98,7 @@ def xla_paged(q, k_pages, v_pages, tables, lengths, scale,
 
 
 #: ``paged_attention``'s implementations, in ``"auto"``'s order.
-PAGED: dispatch.Registry[Callable] = dispatch.Registry("paged attention impl", [
+REGISTRY: dispatch.Registry[Callable] = dispatch.Registry("paged_attention_impl", [
     dispatch.Entry("xla", lambda plan, *args: xla_paged(*args)),
     dispatch.Entry("dense", lambda plan, *args: dense_paged(*args), auto=False),
 ])
@@ -116,7 +116,7 @@ def _split_axes() -> tuple[jax.sharding.AbstractMesh, tuple[str, ...]]:
 
 
 def per_shard(fn: Callable, pools: tuple, rows: tuple, out_pools: int, out_rows: int):
-    """``fn(*pools, *rows)`` with the pools ``[K, P, S, D]`` split along their page axis
+    """``fn(*pools, *rows)`` with the pools ``[P, K, S, D]`` split along their page axis
     and the row arrays along their leading axis over the mesh's batch axes
     (``jax.shard_map``, manual over those axes only); a plain call without them.
     ``fn`` returns ``out_pools`` pools then ``out_rows`` row arrays (one array: not in a
@@ -129,10 +129,10 @@ def per_shard(fn: Callable, pools: tuple, rows: tuple, out_pools: int, out_rows:
     if not axes:
         return fn(*pools, *rows)
     shards = math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[a] for a in axes)
-    if pools[0].shape[1] % shards or rows[0].shape[0] % shards:
-        raise ValueError(f"a paged cache of {pools[0].shape[1]} pages and {rows[0].shape[0]}"
+    if pools[0].shape[0] % shards or (rows and rows[0].shape[0] % shards):
+        raise ValueError(f"a paged cache of {pools[0].shape[0]} pages and {rows[0].shape[0]}"
                          f" rows does not split over the batch axes {axes} ({shards} shards)")
-    pool_spec, row_spec = P(None, axes), P(axes)
+    pool_spec = row_spec = P(axes)
     out_specs = (pool_spec,) * out_pools + (row_spec,) * out_rows
     return jax.shard_map(lambda *a: fn(*a), mesh=mesh,
                          in_specs=(pool_spec,) * len(pools) + (row_spec,) * len(rows),
@@ -146,7 +146,7 @@ def write_pages(k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array,
     """The pools with each row's new key and value written at its slot.
 
     Args:
-      k_pages, v_pages: ``[K, P, S, D]``.
+      k_pages, v_pages: ``[P, K, S, D]``.
       tables: int32 ``[R, M]`` block tables; slots: int32 ``[R]`` (-1: no write).
       keys, values: ``[R, K, D]`` the new token's.
 
@@ -154,14 +154,17 @@ def write_pages(k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array,
       ``(k_pages, v_pages)`` (rows with ``slots = -1`` write nothing).
     """
     def write(kp, vp, tables, slots, k, v):
-        size, pages = kp.shape[2], kp.shape[1]
+        pages, size = kp.shape[0], kp.shape[2]
         row = jnp.arange(tables.shape[0])
         page = tables[row, jnp.clip(slots, 0) // size]
         page = jnp.where(slots >= 0, page, pages)  # out of range: dropped
         off = jnp.clip(slots, 0) % size
-        k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)  # [K, R, D]
-        return (kp.at[:, page, off].set(k.astype(kp.dtype), mode="drop"),
-                vp.at[:, page, off].set(v.astype(vp.dtype), mode="drop"))
+        # one D-vector per (row, head): a scatter the pool's [P, K, S, D] layout serves in
+        # place (a [K, D] block per row would want the slots outside the heads)
+        head = jnp.arange(kp.shape[1])[None, :]
+        at = (page[:, None], head, off[:, None])
+        return (kp.at[at].set(k.astype(kp.dtype), mode="drop"),
+                vp.at[at].set(v.astype(vp.dtype), mode="drop"))
 
     return per_shard(write, (k_pages, v_pages), (tables, slots, keys, values), 2, 0)
 
@@ -173,11 +176,11 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
     Args:
       q: ``[R, N, D]`` the new tokens' queries (``N % K == 0``, grouped-query).
-      k_pages, v_pages: ``[K, P, S, D]`` the pool, the new tokens already written
+      k_pages, v_pages: ``[P, K, S, D]`` the pool, the new tokens already written
         (``write_pages``).
       tables: int32 ``[R, M]`` block tables; slots: int32 ``[R]`` (-1: read nothing).
       scale: logit scale (``D ** -0.5``).
-      impl: ``"auto"`` or one of ``PAGED.names``.
+      impl: ``"auto"`` or one of ``REGISTRY.names``.
 
     Returns:
       ``[R, N, D]`` in the dtype of ``v_pages`` (zeros for rows with ``slots = -1``).
@@ -185,7 +188,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     Raises:
       ValueError: unknown ``impl``; pages or rows that do not split over the mesh.
     """
-    run = PAGED.resolve(impl)
+    run = REGISTRY.resolve(impl)
 
     def attend(kp, vp, q, tables, slots):
         return run(q, kp, vp, tables, slots + 1, scale)
@@ -194,9 +197,9 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 
 def along_pages(tree):
-    """``tree`` with every ``[K, P, S, D]`` pool constrained to be split along its page
+    """``tree`` with every ``[P, K, S, D]`` pool constrained to be split along its page
     axis over the mesh's batch axes; unchanged without them."""
     _, axes = _split_axes()
     if not axes:
         return tree
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P(None, axes)), tree)
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P(axes)), tree)

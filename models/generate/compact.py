@@ -80,16 +80,16 @@ class Rows(NamedTuple):
 
 
 def _scatter_prompt(kp, vp, ck, cv, src, dest):
-    """Pages ``dest`` ``[E]`` of the pools ``[K, P, S, D]`` set to pages ``src`` of the
+    """Pages ``dest`` ``[E]`` of the pools ``[P, K, S, D]`` set to pages ``src`` of the
     prefill cache ``[U, W, K, D]`` cut into ``W / S`` pages per prompt."""
     u, w, k, d = ck.shape
     size = kp.shape[2]
 
-    def paged(c):  # [U, W, K, D] -> [K, U W / S, S, D]
-        return jnp.moveaxis(c.reshape(u * (w // size), size, k, d), 2, 0)
+    def paged(c):  # [U, W, K, D] -> [U W / S, K, S, D]
+        return jnp.swapaxes(c.reshape(u * (w // size), size, k, d), 1, 2)
 
-    return (kp.at[:, dest].set(paged(ck)[:, src].astype(kp.dtype), mode="drop"),
-            vp.at[:, dest].set(paged(cv)[:, src].astype(vp.dtype), mode="drop"))
+    return (kp.at[dest].set(paged(ck)[src].astype(kp.dtype), mode="drop"),
+            vp.at[dest].set(paged(cv)[src].astype(vp.dtype), mode="drop"))
 
 
 def prefill(model, pools, prompts, plens, src, dest, prompt_of, row_ids, budgets, key,
@@ -98,7 +98,7 @@ def prefill(model, pools, prompts, plens, src, dest, prompt_of, row_ids, budgets
     first token.
 
     Args:
-      pools: ``(keys, values)``, per layer ``[K, n P, S, D]``.
+      pools: ``(keys, values)``, per layer ``[n P, K, S, D]``.
       prompts, plens: int32 ``[n U, W]`` right-padded prompts (W a multiple of S) and
         ``[n U]`` lengths.
       src, dest: int32 ``[n E]``: per shard, prefill page ``src`` (prompt ``i``'s page
@@ -198,7 +198,7 @@ def decode_chunk(model, pools, rows: Rows, tables, record, key, start, temperatu
 def grow_pool(pools, pages: int):
     """The pools with each shard's pool padded to ``pages`` pages (zeros)."""
     def pad(kp, vp):
-        extra = ((0, 0), (0, pages - kp.shape[1]), (0, 0), (0, 0))
+        extra = ((0, pages - kp.shape[0]), (0, 0), (0, 0), (0, 0))
         return jnp.pad(kp, extra), jnp.pad(vp, extra)
 
     grown = [per_shard(pad, (kp, vp), (), 2, 0) for kp, vp in zip(*pools)]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from models import get_config
-from models.attention.paged import PAGED, paged_attention, write_pages, xla_paged
+from models.attention.paged import REGISTRY, paged_attention, write_pages, xla_paged
 from models.cache import PagedKVCache, init_pages
 from tests.support.models import random_model
 
@@ -24,7 +24,7 @@ LENGTHS = np.array([0, 1, 7, 28, 13])  # slots read per row (0: a finished row)
 def _inputs(seed=0, dtype=jnp.float32):
     rng = np.random.default_rng(seed)
     q = rng.normal(size=(R, N, D))
-    kp, vp = rng.normal(size=(2, K, P, S, D))
+    kp, vp = rng.normal(size=(2, P, K, S, D))
     tables = rng.permutation(P)[:R * M].reshape(R, M)  # rows own distinct pages
     tables[1, 0] = tables[2, 0]  # two rows share a page (a prompt's)
     return q, kp, vp, tables, (jnp.asarray(x, dtype) for x in (q, kp, vp))
@@ -35,8 +35,8 @@ def reference(q, kp, vp, tables, lengths):
     out = np.zeros(q.shape)
     for r, n in enumerate(lengths):
         slots = np.arange(n)
-        keys = kp[:, tables[r, slots // S], slots % S]  # [K, n, D]
-        values = vp[:, tables[r, slots // S], slots % S]
+        keys = kp[tables[r, slots // S], :, slots % S].swapaxes(0, 1)  # [K, n, D]
+        values = vp[tables[r, slots // S], :, slots % S].swapaxes(0, 1)
         for h in range(N):
             g = h // (N // K)
             s = keys[g] @ q[r, h] * SCALE
@@ -46,7 +46,7 @@ def reference(q, kp, vp, tables, lengths):
     return out
 
 
-@pytest.mark.parametrize("impl", PAGED.names)
+@pytest.mark.parametrize("impl", REGISTRY.names)
 def test_matches_the_float64_reference(impl):
     q64, kp64, vp64, tables, (q, kp, vp) = _inputs()
     want = reference(q64, kp64, vp64, tables, LENGTHS)
@@ -69,7 +69,7 @@ def test_xla_reads_only_blocks_up_to_the_longest_row():
     q64, kp64, vp64, tables, (q, kp, vp) = _inputs(seed=2)
     lengths = np.array([0, 1, 7, 8, 5])  # blocks of 2 pages = 8 slots: one block
     unread = np.unique(tables[:, 2:])
-    kp, vp = (x.at[:, unread].set(jnp.nan) for x in (kp, vp))
+    kp, vp = (x.at[unread].set(jnp.nan) for x in (kp, vp))
     got = xla_paged(q, kp, vp, jnp.asarray(tables), jnp.asarray(lengths), SCALE, 2)
     want = reference(q64, kp64, vp64, tables, lengths)
     chex.assert_trees_all_close(np.asarray(got, np.float64), want, atol=2e-6, rtol=0)
@@ -84,8 +84,8 @@ def test_write_sets_each_rows_slot_and_nothing_else():
     want_k, want_v = np.array(kp), np.array(vp)
     for r, s in enumerate(slots):
         if s >= 0:
-            want_k[:, tables[r, s // S], s % S] = keys[r]
-            want_v[:, tables[r, s // S], s % S] = values[r]
+            want_k[tables[r, s // S], :, s % S] = keys[r]
+            want_v[tables[r, s // S], :, s % S] = values[r]
     np.testing.assert_array_equal(np.asarray(kp2), want_k)
     np.testing.assert_array_equal(np.asarray(vp2), want_v)
 
@@ -116,10 +116,9 @@ def test_paged_decode_step_matches_the_dense_cache():
     tables = rng.permutation(12)[:2 * (width // size)].reshape(2, -1)
     keys, values = init_pages(model.cfg, 12, size)
 
-    def paged(pool, cached):  # [K, P, S, D] <- [B, W + 1, K, D]
-        c = jnp.moveaxis(cached[:, :width].reshape(2, width // size, size, *cached.shape[2:]),
-                         3, 0)
-        return pool.at[:, tables].set(c)
+    def paged(pool, cached):  # [P, K, S, D] <- [B, W + 1, K, D]
+        return pool.at[tables].set(jnp.swapaxes(
+            cached[:, :width].reshape(2, width // size, size, *cached.shape[2:]), 2, 3))
 
     keys = tuple(map(paged, keys, out.cache.keys))
     values = tuple(map(paged, values, out.cache.values))

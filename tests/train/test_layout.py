@@ -302,6 +302,7 @@ def test_a_private_jax_import_is_found(tmp_path):
 #: Every op with several implementations: module -> its registry's ``op`` (the name of
 #: the parameter or config field that picks one).
 OP_REGISTRIES = {"jaxhead._src.head.api": "impl", "models.attention.api": "attention_impl",
+                 "models.attention.paged": "paged_attention_impl",
                  "models.moe.api": "expert_dispatch"}
 
 
