@@ -16,7 +16,8 @@ Each engine is compiled and run once first; then ``--rounds`` interleaved rounds
 engine once per round, same key) and the medians of CPU seconds (this process, user +
 system) and wall seconds. Also printed: the work each engine computed
 (``models.generate.Work``: prompt tokens prefilled, decode row-steps, the most KV cache
-slots held at once and their MiB over the layers, keys and values) and the ideal ``Σ
+slots allocated at once and their MiB over the layers, keys and values, and the most the
+rows held) and the ideal ``Σ
 lengths / (B x longest)``, the fraction of the reference's decode work the completions
 need. The engines draw the same tokens (checked).
 
@@ -178,8 +179,8 @@ def main(argv=None):
     print()
     print("| engine | CPU s | wall s | CPU vs reference | wall vs reference "
           "| compact's CPU vs it | prompt tokens prefilled | decode row-steps "
-          "| KV slots held | KV MiB |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| KV slots allocated | KV MiB | KV slots held |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     names = {"tunix": "Tunix 0.1.7 vanilla Sampler",
              "compact, rows at once <= max": f"compact, <= {args.max_rows} rows at once"}
     width = max(map(len, prompts))
@@ -188,17 +189,18 @@ def main(argv=None):
         cpu, wall = med[e]
         if e == "tunix":  # every row: prompt padded to the widest, all longest steps
             prefill, steps = rows * width, rows * args.longest
-            slots = rows * (width + args.longest + 8)  # its CacheConfig
+            slots = held = rows * (width + args.longest + 8)  # its CacheConfig
         else:
             work = gens[e].last_work
-            prefill, steps, slots = work.prefill_tokens, work.decode_row_steps, work.kv_slots
+            prefill, steps = work.prefill_tokens, work.decode_row_steps
+            slots, held = work.kv_slots, work.kv_slots_held
         print(f"| {names.get(e, e)} | {cpu:.2f} | {wall:.2f} "
               f"| {cpu / med['reference'][0]:.3f}x | {wall / med['reference'][1]:.3f}x "
               f"| {med['compact'][0] / cpu:.3f}x | {prefill:,} | {steps:,} | {slots:,} "
-              f"| {slots * per_slot:.1f} |")
+              f"| {slots * per_slot:.1f} | {held:,} |")
     if not tunix_call:
         print("| Tunix 0.1.7 vanilla Sampler | (google-tunix not importable) "
-              "| | | | | | | | |")
+              "| | | | | | | | | |")
     print()
     print(f"ideal: Σ lengths / (B x longest) = {ideal:.3f}")
 

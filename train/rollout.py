@@ -314,6 +314,7 @@ class Generator:
             out = to_host(fn(params, *args))  # every process reads every row
             size, width = len(args[2]), padded.shape[1]
             steps = max(int(out[4][:rows].max()) - 1, 0)  # the loop ran to the longest row
-            self.last_work = Work(tokens * group_size, int(size * width), size * steps,
-                                  int(size * (width + self.max_new_tokens)))
+            slots = int(size * (width + self.max_new_tokens))
+            self.last_work = Work(tokens * group_size, int(size * width), size * steps, slots,
+                                  slots)
         return Rollout(*(x[:rows] for x in out), PATH_TRUNCATED if truncated else PATH_GUMBEL)

@@ -115,13 +115,17 @@ class Work(NamedTuple):
         not counted).
       prefill_slots: prefill rows x their padded width, padding rows included.
       decode_row_steps: decode steps x the rows computed at each (padding rows included).
-      kv_slots: the most KV cache slots (per layer, over all devices) held at once.
+      kv_slots: the KV cache's slots per layer over all devices: the most allocated at
+        once (its memory).
+      kv_slots_held: the most of them the rows held at once (a paged cache's pool is
+        allocated in steps, so it may hold more than its rows do; else ``kv_slots``).
     """
 
     prefill_tokens: int
     prefill_slots: int
     decode_row_steps: int
     kv_slots: int
+    kv_slots_held: int
 
 
 #: ``jit(fn, **jit_kwargs) -> compiled fn``: how an engine compiles its functions (the

@@ -446,4 +446,4 @@ class CompactEngine:
                         batch[s].remove(r)
         self.pool_pages = max(self.pool_pages, alloc.size)
         slots = int(pprompts.shape[0] * pprompts.shape[1])
-        return record, Work(tokens, slots, work, alloc.peak * size)
+        return record, Work(tokens, slots, work, n * alloc.size * size, alloc.peak * size)
