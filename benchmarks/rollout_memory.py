@@ -5,7 +5,7 @@ engine's prefill and decode chunk (a paged KV cache, the G samples sharing their
 pages), at the pool sizes a call reaches.
 
     python benchmarks/rollout_memory.py                             # 30B preset, v6e:8x8
-    python benchmarks/rollout_memory.py --topology v5e:8x8
+    python benchmarks/rollout_memory.py --topology v5e:8x8 --dispatch dense
     python benchmarks/rollout_memory.py --layers 2 --topology v6e:2x2 --mesh fsdp=1,expert=4
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/rollout_memory.py \
         --preset tiny-moe --topology cpu --mesh fsdp=2,expert=2     # XLA:CPU (a check)
@@ -66,7 +66,7 @@ def _memory(lowered) -> tuple[float, float, float, float]:
 
 
 def measure(config: str, preset: str, topology: str, mesh_sizes: dict[str, int] | None,
-            layers: int):
+            layers: int, dispatch: str | None = None):
     """The table's rows: ``(function, KV slots per device, arguments, temporaries, peak,
     compile s)``, and a description of the run."""
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / f"{config}.py"))
@@ -74,6 +74,8 @@ def measure(config: str, preset: str, topology: str, mesh_sizes: dict[str, int] 
                            param_dtype=cfg.model.param_dtype)
     if layers:
         model_cfg = model_cfg.replace(num_hidden_layers=layers)
+    if dispatch:
+        model_cfg = model_cfg.replace(expert_dispatch=dispatch)
     devices = jax.devices() if topology == "cpu" else _topology_devices(topology)
     sizes = mesh_sizes or {a: cfg.mesh[a] for a in ("data", "fsdp", "expert", "context",
                                                     "tensor") if a in cfg.mesh}
@@ -139,7 +141,8 @@ def measure(config: str, preset: str, topology: str, mesh_sizes: dict[str, int] 
             out.append((f"compact: decode chunk, {name}", pages_of[name] * size,
                         *_memory(low)))
     where = (f"{config}: {preset} ({model_cfg.num_hidden_layers} layers, "
-             f"{model_cfg.dtype} compute, {model_cfg.param_dtype} parameters), mesh "
+             f"{model_cfg.dtype} compute, {model_cfg.param_dtype} parameters, expert "
+             f"dispatch {model_cfg.expert_dispatch}), mesh "
              + " x ".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1)
              + f" on {'XLA:CPU' if topology == 'cpu' else topology}; {prompts} prompts x "
              f"G = {group} ({rows} rows, {per} per device), prompts of {width} tokens, T = {steps}, page size {size}, decode "
@@ -156,10 +159,14 @@ def main(argv=None) -> None:
                    help="a TPU slice, or cpu: this host's devices (XLA:CPU's numbers)")
     p.add_argument("--mesh", default=None, help="axis=size,... (default: the config's)")
     p.add_argument("--layers", type=int, default=0, help="override the layer count")
+    p.add_argument("--dispatch", default=None,
+                   help="expert_dispatch (default: the preset's); v5e needs dense: its "
+                        "limited ICI routing has no ragged all-to-all")
     args = p.parse_args(argv)
     sizes = None if args.mesh is None else {
         k: int(v) for k, v in (item.split("=") for item in args.mesh.split(","))}
-    rows, where = measure(args.config, args.preset, args.topology, sizes, args.layers)
+    rows, where = measure(args.config, args.preset, args.topology, sizes, args.layers,
+                          args.dispatch)
     print(describe())
     print(where)
     print()

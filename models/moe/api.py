@@ -9,8 +9,9 @@ paths (``REGISTRY``, in ``"auto"``'s order):
 * ``"ragged"``: ``jax.lax.ragged_all_to_all`` (``ragged.py``: no padded send block, the
   received rows arrive grouped, and the receive buffer may be sized by a capacity factor,
   past which real pairs are dropped, see ``routed_experts``). ``"auto"`` takes it where
-  the mesh's platform has it (TPU, GPU: ``ragged.NATIVE``); an explicit ``"ragged"``
-  runs its emulation elsewhere.
+  the mesh's platform has it (TPU, GPU: ``ragged.NATIVE``) but v5e (``LIMITED_ROUTING``:
+  the compiler refuses the op there; an explicit ``"ragged"`` raises); an explicit
+  ``"ragged"`` runs its emulation on other platforms.
 * ``"dense"``: worst-case ``[P, C, H]`` blocks and ``jax.lax.all_to_all`` (``dense.py``),
   dropless with static shapes. XLA:CPU has no ragged all-to-all, so there ``"auto"``
   takes this path.
@@ -43,17 +44,36 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxhead.dispatch import Choice, Entry, Registry, target_platform
+from jaxhead.dispatch import Choice, Entry, KernelUnsupported, Registry, target_platform
 from models.mesh import BATCH_AXES, auto_axes, axis_size, check_divisible, present
 from models.moe.dense import dense_round
 from models.moe.experts import token_chunks
 from models.moe.ragged import NATIVE, ragged_round, receive_rows
 from models.sharding import DEFAULT_RULES, logical_to_mesh
 
+#: Chips whose ICI routing the TPU compiler's ragged all-to-all refuses ("not supported in
+#: limited ICI routing settings", libtpu 0.0.52): v5e.
+LIMITED_ROUTING = ("TPU v5 lite",)
 
-def _ragged_plan(platform: str, capacity_factor: float | None, overflow: str) -> dict:
+
+def _device_kind(mesh) -> str | None:
+    """``device_kind`` of the mesh's devices (``"TPU v5 lite"``), None when unknown."""
+    device = getattr(getattr(mesh, "abstract_mesh", mesh), "abstract_device", None)
+    return getattr(device, "device_kind", None)
+
+
+def _ragged_plan(platform: str, capacity_factor: float | None, overflow: str,
+                 kind: str | None = None) -> dict:
     """The ragged entry's check: ``ragged_round``'s settings for the call (native
-    ``ragged_all_to_all`` where ``platform`` has it, else the emulation)."""
+    ``ragged_all_to_all`` where ``platform`` has it, else the emulation).
+
+    Raises:
+      KernelUnsupported: chips of ``LIMITED_ROUTING`` (``kind``), where the compiler
+        refuses the native op (``"auto"`` takes the dense dispatch there).
+    """
+    if platform in NATIVE and kind in LIMITED_ROUTING:
+        raise KernelUnsupported(f"the TPU compiler has no ragged all-to-all on {kind} "
+                                f"chips (limited ICI routing); use expert_dispatch='dense'")
     return {"capacity_factor": capacity_factor, "overflow": overflow,
             "native": platform in NATIVE}
 
@@ -69,7 +89,7 @@ def _dense(plan, *args, **kwargs):
 #: ``ModelConfig.expert_dispatch`` values, in ``"auto"``'s order: ragged where the platform
 #: has ``ragged_all_to_all`` (TPU, GPU; ``jaxhead.dispatch.target_platform`` of the mesh),
 #: else dense (an explicit ``"ragged"`` runs ``ragged.emulated_ragged_all_to_all`` there).
-#: Each checked with ``(platform, capacity_factor, overflow)`` and called as one
+#: Each checked with ``(platform, capacity_factor, overflow, device kind)`` and called as one
 #: all-to-all round: ``call(plan, x, experts, weights, token_mask, gate, up, down, *,
 #: expert_axis, num, partial) -> (y, dropped)``.
 REGISTRY: Registry = Registry("expert_dispatch", [
@@ -236,7 +256,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
     check_token_chunk(token_chunk)
     platform = target_platform(mesh)
     rounds = REGISTRY.resolve(dispatch, platform, capacity_factor, overflow,
-                              platform=platform)
+                              _device_kind(mesh), platform=platform)
     token_axes = present(mesh, BATCH_AXES) if token_axes is None else tuple(token_axes)
     check_divisible(x.shape[0], mesh, token_axes, "MoE input (batch x sequence)")
     gate_spec = _nontrivial(logical_to_mesh(

@@ -1,5 +1,7 @@
 """The expert-parallel MoE layer with ``jax.lax.ragged_all_to_all``, forward and backward,
-compiled by the real TPU compiler for a v6e slice (expert=4), on a machine without a TPU.
+compiled by the real TPU compiler for a v6e slice (expert=4), on a machine without a TPU;
+on v5e, whose limited ICI routing the compiler's ragged all-to-all refuses, ``"auto"``
+compiles the dense dispatch and an explicit ``"ragged"`` is refused by name.
 
 Needs ``libtpu`` (``pip install -e '.[tpu]'``); skipped without it. XLA:CPU cannot run
 the ragged all-to-all (``tests/models/test_ragged_dispatch.py`` checks the values through
@@ -18,10 +20,13 @@ import pytest
 
 pytest.importorskip("libtpu", reason="needs libtpu (pip install -e '.[tpu]') for the TPU compiler")
 
+import logging
+
 import jax
 import jax.numpy as jnp
 
 from harness import tpu_compile as tc
+from jaxhead.dispatch import KernelUnsupported
 from models.mesh import make_mesh
 from models.moe.api import routed_experts
 
@@ -30,8 +35,8 @@ from models.moe.api import routed_experts
 TOKENS, HIDDEN, MLP, EXPERTS, TOP_K = 4096, 512, 256, 16, 4
 
 
-def _compile(dispatch: str, capacity_factor=None):
-    mesh = make_mesh({"expert": 4}, devices=tc.topology_devices("v6e")[:4])
+def _compile(dispatch: str, capacity_factor=None, generation: str = "v6e"):
+    mesh = make_mesh({"expert": 4}, devices=tc.topology_devices(generation)[:4])
     bf16 = jnp.bfloat16
     args = (jax.ShapeDtypeStruct((TOKENS, HIDDEN), bf16),
             jax.ShapeDtypeStruct((TOKENS, TOP_K), jnp.int32),
@@ -61,3 +66,12 @@ def test_ragged_compiles_for_tpu_and_a_capacity_factor_shrinks_it():
     assert auto_text.count("ragged_all_to_all") >= 4
     assert "ragged_all_to_all" not in dense_text
     assert capped_temp < auto_temp, (capped_temp, auto_temp)
+
+
+def test_v5e_takes_the_dense_dispatch(caplog):
+    with caplog.at_level(logging.WARNING, logger="jaxhead"):
+        text, _ = _compile("auto", generation="v5e")
+    assert "ragged_all_to_all" not in text and "all_to_all" in text
+    assert "no ragged all-to-all on TPU v5 lite" in caplog.text
+    with pytest.raises(KernelUnsupported, match="TPU v5 lite chips"):
+        _compile("ragged", generation="v5e")
