@@ -30,10 +30,17 @@ def abstract_mesh(**sizes: int) -> AbstractMesh:
     return AbstractMesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
+#: XLA flags of every subprocess case: LLVM optimisation off, about half the compile
+#: time of a case (most of its time) and the same HLO, so the same values: what XLA:CPU
+#: computes is fixed by the HLO, and without fast-math LLVM may not reorder float math.
+CASE_FLAGS = "--xla_backend_optimization_level=0"
+
+
 def device_env(devices: int, **extra: str) -> dict[str, str]:
-    """The environment of a CPU subprocess with ``devices`` host devices."""
+    """The environment of a CPU subprocess with ``devices`` host devices (and
+    ``CASE_FLAGS``; ``extra`` may replace ``XLA_FLAGS`` whole)."""
     flags = os.environ.get("XLA_FLAGS", "")
-    flags = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    flags = f"{CASE_FLAGS} {flags} --xla_force_host_platform_device_count={devices}".strip()
     return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", **extra}
 
 
