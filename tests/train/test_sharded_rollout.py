@@ -6,8 +6,7 @@ gathers no device's experts onto another and keeps its KV cache split along the 
 that 8-device mesh the ``compact`` engine (pages of 4 slots, one row decoding per device at
 a time) draws the one-device ``reference`` engine's tokens (slow).
 
-The subprocesses compile with LLVM optimisation off (half the compile time; every
-compared side uses the same flags, and the HLO the collectives check reads is the same).
+The subprocesses compile with ``CASE_FLAGS`` (LLVM optimisation off, as every case).
 """
 
 from __future__ import annotations
@@ -17,13 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from tests.support.multidevice import run_case, run_multiprocess
-
-FAST = "--xla_backend_optimization_level=0"
+from tests.support.multidevice import CASE_FLAGS, run_case, run_multiprocess
 
 
 def _flags(devices: int) -> str:
-    return f"{FAST} --xla_force_host_platform_device_count={devices}"
+    return f"{CASE_FLAGS} --xla_force_host_platform_device_count={devices}"
 
 
 def test_two_processes_roll_out_like_one_process_and_one_device():
