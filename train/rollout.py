@@ -301,7 +301,6 @@ class Generator:
         padded, lens, budgets, truncated, trunc = self._inputs(
             prompts, temperature, truncation, group_size, max_new_tokens)
         fn, rows = self._fn(truncated), len(budgets)
-        tokens = int(lens[:len(prompts)].sum())
         if self.engine == "compact":
             if self.placement is not None:
                 params = self.placement.place_params(params)
@@ -315,6 +314,7 @@ class Generator:
             size, width = len(args[2]), padded.shape[1]
             steps = max(int(out[4][:rows].max()) - 1, 0)  # the loop ran to the longest row
             slots = int(size * (width + self.max_new_tokens))
+            tokens = int(lens[:len(prompts)].sum())  # the compact engine counts its own
             self.last_work = Work(tokens * group_size, int(size * width), size * steps, slots,
                                   slots)
         return Rollout(*(x[:rows] for x in out), PATH_TRUNCATED if truncated else PATH_GUMBEL)
