@@ -104,8 +104,8 @@ def measure(config: str, preset: str, topology: str, mesh_sizes: dict[str, int] 
     kv_heads, head_dim = model_cfg.num_key_value_heads, model_cfg.head_dim
     with jax.set_mesh(mesh):
         ref = gen._fn(False).lower(params, ints(prompts, width), ints(prompts),
-                                   ints(rows), ints(rows), ints(sharding=rep), key, temp,
-                                   trunc)
+                                   ints(rows), ints(rows), ints(rows), ints(rows),
+                                   ints(sharding=rep), key, temp, trunc)
         out.append(("reference: whole decode", rows // n * (width + steps), *_memory(ref)))
         compact = rollout.Generator(mdef, max_new_tokens=steps, stop_ids=(0,),
                                     num_valid=vocab, placement=placement,
@@ -127,11 +127,11 @@ def measure(config: str, preset: str, topology: str, mesh_sizes: dict[str, int] 
         record = tuple(ints(rows, steps, dtype=t) for t in (jnp.int32, jnp.float32,
                                                              jnp.float32, jnp.float32))
         record = (*record, ints(rows), ints(rows, dtype=jnp.bool_))
-        fields = [ints(rows)] * 5 + [ints(rows, dtype=jnp.bool_)] * 2
+        fields = [ints(rows)] * 7 + [ints(rows, dtype=jnp.bool_)] * 2
         pre = compact._fn("prefill", rows).lower(
             params, pools(pages_of["start"]), ints(n * local_prompts, width),
             ints(n * local_prompts), ints(n * prompt_pages), ints(n * prompt_pages),
-            ints(rows), ints(rows), ints(rows), key, temp, trunc)
+            ints(rows), ints(rows), ints(rows), ints(rows), ints(rows), key, temp, trunc)
         out.append(("compact: prefill", pages_of["start"] * size, *_memory(pre)))
         table = -(-(width + steps) // size)
         for name in ("T/4 written", "T written"):

@@ -90,18 +90,33 @@ def check_room(cache: KVCache, num_new: int):
     return None
 
 
+def _write_slots(buf: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
+    """``buf`` ``[B, L, ...]`` with ``new`` ``[B, T, ...]`` at slots ``[index, index +
+    T)``; a write that does not fit (``index < 0`` or ``index + T > L``) is dropped whole.
+
+    ``lax.dynamic_update_slice`` clamps its start into range, which would move an
+    overflowing write back onto valid slots; here the clamped slots get their own
+    contents back instead (the update stays one in-place slice write)."""
+    slots, count = buf.shape[1], new.shape[1]
+    start = jnp.clip(index, 0, slots - count)
+    fits = (index >= 0) & (index + count <= slots)
+    old = jax.lax.dynamic_slice_in_dim(buf, start, count, axis=1)
+    new = jnp.where(fits, new.astype(buf.dtype), old)
+    return jax.lax.dynamic_update_slice_in_dim(buf, new, start, axis=1)
+
+
 def write_tokens(cache: KVCache, positions: jax.Array, segment_ids: jax.Array) -> KVCache:
     """``cache`` with the positions and segment ids ``[B, T]`` of the new tokens written at
     slots ``[index, index + T)``; keys, values and ``index`` unchanged (each layer writes
     its keys and values, see ``write_kv``; the decoder then moves ``index`` by T).
 
-    The caller checks the room first (``check_room``): ``lax.dynamic_update_slice``
-    would clamp an out-of-range write.
+    A write past the cache's ``L`` slots is dropped whole (never clamped onto valid slots);
+    the caller checks the room first (``check_room``: an error on the host, NaN hidden
+    states under ``jit``).
     """
-    start = (0, cache.index)
-    pos = jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), start)
-    seg = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), start)
-    return cache._replace(positions=pos, segment_ids=seg)
+    return cache._replace(positions=_write_slots(cache.positions, positions, cache.index),
+                          segment_ids=_write_slots(cache.segment_ids, segment_ids,
+                                                   cache.index))
 
 
 def layer_view(cache: KVCache, layer: int) -> LayerKV:
@@ -112,12 +127,10 @@ def layer_view(cache: KVCache, layer: int) -> LayerKV:
 
 def write_kv(kv: LayerKV, keys: jax.Array, values: jax.Array) -> LayerKV:
     """``kv`` with ``keys`` / ``values`` ``[B, T, K, D]`` written at slots
-    ``[index, index + T)``."""
-    start = (0, kv.index, 0, 0)
-    return kv._replace(
-        keys=jax.lax.dynamic_update_slice(kv.keys, keys.astype(kv.keys.dtype), start),
-        values=jax.lax.dynamic_update_slice(kv.values, values.astype(kv.values.dtype), start),
-    )
+    ``[index, index + T)`` (a write past the last slot is dropped whole, as
+    ``write_tokens``')."""
+    return kv._replace(keys=_write_slots(kv.keys, keys, kv.index),
+                       values=_write_slots(kv.values, values, kv.index))
 
 
 class PagedKVCache(NamedTuple):

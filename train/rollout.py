@@ -17,9 +17,10 @@ rows reading its own) and the sampled arrays are split along the batch, and ever
 process reads back every row (``to_host``: a ``process_allgather`` of the small ``[B, T]``
 results, and of the ``compact`` engine's done flags between chunks, so every process takes
 the same decisions and packs the same global batch). A row's sampling noise depends only
-on the key, the decode step and the row's global index (``jaxhead.sample``'s
-``row_ids``), so completions do not depend on the device or process count, the padding,
-nor on which rows share a batch.
+on the key, its request (the prompt's request id, by default its index in the call, and
+the sample's index in its group) and the decode step (``models.generate.api.
+request_key``), so completions do not depend on the device or process count, the padding,
+the row a request runs in, nor on which rows share a batch.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import numpy as np
 
 from models.generate import IMPLEMENTATIONS, CompactEngine, Decoding, Work, reference
 from models.generate import Truncation as EngineTruncation
+from models.generate.api import row_requests
 from train import domains as d
 from train.placement import Placement, place_batch, to_host
 from train.state import ModelDef, Params
@@ -201,7 +203,7 @@ class Generator:
                     p = self.placement
                     rows, rep = p.batch, p.replicated
                     self._fns[key] = p.jit(generate, in_shardings=(
-                        p.params, rows, rows, rows, rows, rep, rep, rep,
+                        p.params, rows, rows, rows, rows, rows, rows, rep, rep, rep,
                         (rep,) * len(Truncation._fields)), out_shardings=(rows,) * 6)
         return self._fns[key]
 
@@ -239,7 +241,7 @@ class Generator:
         return place_batch(arrays, None if self.placement is None else self.placement.mesh)
 
     def _reference_args(self, padded, lens, budgets, group_size: int, key, temperature,
-                        trunc) -> tuple:
+                        trunc, request_ids=None) -> tuple:
         """The ``reference`` decoder's arguments but params: the rows padded with copies
         of row 0 to a multiple of the batch shards (budget T, dropped after)."""
         rows = len(budgets)
@@ -249,10 +251,12 @@ class Generator:
         source[rows:] = 0
         full = np.full(size, self.max_new_tokens, np.int32)
         full[:rows] = budgets
+        request, sample = row_requests(request_ids, rows // group_size, group_size, size)
         b = self._place({"prompts": padded, "lens": lens})
-        r = self._place({"source": source, "budgets": full})
-        return (b["prompts"], b["lens"], r["source"], r["budgets"], jnp.int32(rows), key,
-                jnp.float32(temperature), trunc)
+        r = self._place({"source": source, "budgets": full, "request": request,
+                         "sample": sample})
+        return (b["prompts"], b["lens"], r["source"], r["budgets"], r["request"],
+                r["sample"], jnp.int32(rows), key, jnp.float32(temperature), trunc)
 
     def lower(self, params: Params, prompts, key: jax.Array, *, temperature: float,
               truncation: Truncation | None = None, group_size: int = 1):
@@ -273,21 +277,25 @@ class Generator:
 
     def __call__(self, params: Params, prompts, key: jax.Array, *, temperature: float,
                  truncation: Truncation | None = None, group_size: int = 1,
-                 max_new_tokens=None) -> Rollout:
+                 max_new_tokens=None, request_ids=None) -> Rollout:
         """Sample ``group_size`` completions per prompt.
 
         Args:
           params: the policy's parameters.
           prompts: token id sequences (``U`` of them, any lengths >= 1); row ``r`` of the
             result continues prompt ``r // group_size``.
-          key: PRNG key (step ``t`` draws with ``fold_in(key, t)``, row ``r`` with the
-            seed words of row ``r``; the same on every process).
+          key: PRNG key (sample ``j`` of request ``i`` draws step ``t`` with
+            ``models.generate.api.request_key(key, i, j, t)``; the same on every process).
           temperature: ``> 0`` samples, 0 is greedy.
           truncation: overrides the generator's for this call (same compiled decoder
             whenever both are active).
           group_size: G, samples per prompt (each prompt is prefilled once by ``compact``).
           max_new_tokens: None (the generator's T), or an int or int ``[U x G]`` per-row
             budgets in ``[1, T]``.
+          request_ids: None (prompt ``i`` is request ``i``) or ``U`` distinct ints in
+            ``[0, 2**31)``: a prompt's samples then draw the same tokens in any call that
+            gives it the same id (whatever its place, batch or device count; the logits
+            equal to float rounding).
 
         Returns:
           ``Rollout`` (host arrays ``[U x G, ...]``; on several processes every process
@@ -295,8 +303,8 @@ class Generator:
 
         Raises:
           ValueError: ``temperature < 0``, a truncation setting out of range
-            (``Truncation.check``), no prompts or an empty one, a bad ``group_size`` or
-            budget (the values named).
+            (``Truncation.check``), no prompts or an empty one, a bad ``group_size``,
+            budget or ``request_ids`` (the values named).
         """
         padded, lens, budgets, truncated, trunc = self._inputs(
             prompts, temperature, truncation, group_size, max_new_tokens)
@@ -305,11 +313,12 @@ class Generator:
             if self.placement is not None:
                 params = self.placement.place_params(params)
             out, self.last_work = fn(params, padded, lens, budgets, key,
-                                     np.float32(temperature), trunc, group_size=group_size)
+                                     np.float32(temperature), trunc, group_size=group_size,
+                                     request_ids=request_ids)
             out = to_host(out)  # every process reads every row
         else:
             args = self._reference_args(padded, lens, budgets, group_size, key, temperature,
-                                        trunc)
+                                        trunc, request_ids)
             out = to_host(fn(params, *args))  # every process reads every row
             size, width = len(args[2]), padded.shape[1]
             steps = max(int(out[4][:rows].max()) - 1, 0)  # the loop ran to the longest row

@@ -12,6 +12,11 @@ Implementations (``REGISTRY``, ``"auto"`` picks ``"xla"``):
 A row with ``slots = -1`` (finished, or padding) reads nothing and returns zeros; its
 write is dropped.
 
+Isolation: a row reads only the slots it wrote. Block-table entries outside the pool
+(unused ones) gather zeros, and the slots past a row's length are **selected** away
+(``where``) in both the scores and the values, never multiplied by a zero weight: a
+page's stale contents, or another request's NaN, cannot reach the row (0 x NaN is NaN).
+
 Under a mesh the pool is split along its page axis over the batch axes present and the
 rows along theirs, a row's page ids being local to its shard: the write and the
 attention run inside ``jax.shard_map`` (manual over those axes only, so the heads stay
@@ -41,10 +46,19 @@ def _scores(q: jax.Array, keys: jax.Array, scale: float) -> jax.Array:
 
 
 def _gather(pages: jax.Array, tables: jax.Array) -> jax.Array:
-    """``[R, K, n S, D]``: the pages ``tables`` ``[R, n]`` of ``pages`` ``[P, K, S, D]``."""
+    """``[R, K, n S, D]``: the pages ``tables`` ``[R, n]`` of ``pages`` ``[P, K, S, D]``
+    (an id outside ``[0, P)`` reads zeros)."""
     _, k, s, d = pages.shape
     r, n = tables.shape
-    return jnp.swapaxes(pages[tables], 1, 2).reshape(r, k, n * s, d)
+    got = jnp.take(pages, tables, axis=0, mode="fill", fill_value=0)
+    return jnp.swapaxes(got, 1, 2).reshape(r, k, n * s, d)
+
+
+def _weighted(p: jax.Array, values: jax.Array, valid: jax.Array) -> jax.Array:
+    """float32 ``sum_l p[..., l] values[..., l, :]`` over the ``valid`` ``[R, L]`` slots
+    only: the others' values are selected away, not multiplied by ``p = 0``."""
+    values = jnp.where(valid[:, None, :, None], values.astype(jnp.float32), 0.0)
+    return jnp.einsum("rkgl,rkld->rkgd", p, values)
 
 
 def _grouped(q: jax.Array, heads: int) -> jax.Array:
@@ -56,10 +70,11 @@ def dense_paged(q, k_pages, v_pages, tables, lengths, scale):
     """``"dense"``: the whole table of every row at once (see the module docstring)."""
     keys, values = _gather(k_pages, tables), _gather(v_pages, tables)
     s = _scores(_grouped(q, k_pages.shape[1]), keys, scale)
-    mask = jnp.arange(keys.shape[2]) < lengths[:, None, None, None]
+    valid = jnp.arange(keys.shape[2]) < lengths[:, None]
+    mask = valid[:, None, None, :]
     p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
     p = jnp.where(mask, p, 0.0)
-    out = jnp.einsum("rkgl,rkld->rkgd", p, values.astype(jnp.float32))
+    out = _weighted(p, values, valid)
     return out.reshape(q.shape).astype(v_pages.dtype)
 
 
@@ -79,14 +94,14 @@ def xla_paged(q, k_pages, v_pages, tables, lengths, scale,
         ids = jax.lax.dynamic_slice_in_dim(tables, j * block, block, axis=1)
         keys, values = _gather(k_pages, ids), _gather(v_pages, ids)
         s = _scores(qg, keys, scale)
-        mask = j * span + jnp.arange(span) < lengths[:, None, None, None]
+        valid = j * span + jnp.arange(span) < lengths[:, None]
+        mask = valid[:, None, None, :]
         s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
         safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.where(mask, jnp.exp(s - safe[..., None]), 0.0)
         corr = jnp.where(jnp.isfinite(m), jnp.exp(m - safe), 0.0)
-        acc = acc * corr[..., None] + jnp.einsum("rkgl,rkld->rkgd", p,
-                                                 values.astype(jnp.float32))
+        acc = acc * corr[..., None] + _weighted(p, values, valid)
         return m_new, l * corr + p.sum(-1), acc
 
     shape = qg.shape[:-1]

@@ -2,12 +2,15 @@
 the record of the sampled tokens, and the choice of engine (``IMPLEMENTATIONS``).
 
 A call's rows are numbered ``0 .. B-1`` in the order the caller gave them (``G``
-consecutive samples per prompt when ``group_size = G``); padding rows come after them. A
-row's draw depends only on the key, the decode step and that global index: step ``t``
-draws with ``fold_in(key, t)`` and row ``r`` takes the seed words of row ``r`` of a
-``num_rows``-row draw (``jaxhead.sample``'s ``row_ids``), so an engine may prefill each
-prompt once, drop finished rows or reorder rows without changing a sampled token (only
-float rounding of a changed batch shape moves a logit).
+consecutive samples per prompt when ``group_size = G``); padding rows come after them.
+Each row is a **request**: prompt ``r // G`` under its request id (the prompt's index in
+the call, unless the caller names ids) and sample ``r % G`` of its group. A request's
+draw depends only on the key, its request id, its sample index and the decode step:
+step ``t`` draws with ``request_key(key, request, sample, t)`` (``jaxhead.sample`` with
+one key per row), never with the row's place, bucket, batch or shard. So an engine may
+prefill each prompt once, drop finished rows, admit waiting ones or reorder rows, and
+the same request in another call draws the same tokens from the same logits (only float
+rounding of a changed batch shape moves a logit).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jaxhead
@@ -72,21 +76,65 @@ def along_batch(tree):
         lambda x: jax.lax.with_sharding_constraint(x, spec) if x.ndim else x, tree)
 
 
+def request_key(key: jax.Array, request, sample, step) -> jax.Array:
+    """The key of decode step ``step`` of sample ``sample`` of request ``request``:
+    ``fold_in(fold_in(fold_in(key, request), sample), step)``; int32 arrays of one shape
+    (broadcast) give keys of that shape."""
+    request, sample, step = jnp.broadcast_arrays(jnp.asarray(request, jnp.int32),
+                                                 jnp.asarray(sample, jnp.int32),
+                                                 jnp.asarray(step, jnp.int32))
+
+    def one(r, s, t):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, r), s), t)
+
+    for _ in range(request.ndim):
+        one = jax.vmap(one)
+    return one(request, sample, step)
+
+
+def row_requests(request_ids, prompts: int, group_size: int, rows: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Host int32 ``(request, sample)`` ``[rows]`` of a call's rows: row ``r < prompts x
+    group_size`` is sample ``r % G`` of request ``request_ids[r // G]``; padding rows after
+    them repeat the last request's ids (their draws are dropped).
+
+    Args:
+      request_ids: None (the prompts' indices ``0 .. prompts-1``) or ``prompts`` distinct
+        ints in ``[0, 2**31)``, e.g. a dataset's problem index.
+
+    Raises:
+      ValueError: ``request_ids`` of the wrong length, not integers, out of range or
+        repeated (named).
+    """
+    if request_ids is None:
+        ids = np.arange(prompts, dtype=np.int64)
+    else:
+        ids = np.asarray(request_ids)
+        if ids.shape != (prompts,) or (ids.size and ids.dtype.kind not in "iu"):
+            raise ValueError(f"request_ids must be {prompts} ints (one per prompt), got "
+                             f"{request_ids!r}")
+        if ids.size and (ids.min() < 0 or ids.max() >= 2 ** 31):
+            raise ValueError(f"request_ids must be in [0, 2**31), got {ids.tolist()}")
+        if len(np.unique(ids)) != len(ids):
+            raise ValueError(f"request_ids must be distinct (two requests would draw the "
+                             f"same noise), got {ids.tolist()}")
+    r = np.minimum(np.arange(rows), prompts * group_size - 1)
+    return ids[r // group_size].astype(np.int32), (r % group_size).astype(np.int32)
+
+
 def draw(model, hidden: jax.Array, key: jax.Array, step, temperature, trunc,
-         d: Decoding, row_ids: jax.Array, num_rows: int) -> jaxhead.Sample:
-    """Decode step ``step``'s draw for ``hidden`` ``[R, H]``: rows ``row_ids`` ``[R]`` of
-    a ``num_rows``-row batch, with ``fold_in(key, step)``; ``step`` an int32 scalar, or
-    ``[R]`` when the rows are at different steps (each row then draws with its own)."""
+         d: Decoding, request: jax.Array, sample: jax.Array) -> jaxhead.Sample:
+    """Decode step ``step``'s draw for ``hidden`` ``[R, H]``: row ``i`` is sample
+    ``sample[i]`` of request ``request[i]`` (int32 ``[R]``) and draws with
+    ``request_key(key, request[i], sample[i], step)``; ``step`` an int32 scalar, or ``[R]``
+    when the rows are at different steps."""
     dtype = model.lm_head.dtype or hidden.dtype
     kw = dict(zip(Truncation._fields, trunc)) if d.truncated else {}
-    step = jnp.asarray(step)
-    keys = (jax.random.fold_in(key, step) if step.ndim == 0 else
-            jax.vmap(jax.random.fold_in, (None, 0))(key, step))
+    keys = request_key(key, request, sample, step)
     return jaxhead.sample(hidden.astype(dtype), model.lm_head.weight(dtype),
                           keys, temperature=temperature,
                           softcap=model.lm_head.softcap, num_valid=d.num_valid,
-                          weight_layout=model.lm_head.weight_layout, row_ids=row_ids,
-                          num_rows=num_rows, **kw)
+                          weight_layout=model.lm_head.weight_layout, **kw)
 
 
 def empty_record(rows: int, steps: int) -> tuple[jax.Array, ...]:

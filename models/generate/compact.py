@@ -5,9 +5,14 @@
    through their block tables; the last, partly filled page is copied per sample (each
    writes its own tokens after the prompt). The first token of every row is drawn from
    its prompt's last hidden state.
-2. Decode in chunks of ``chunk`` steps (a ``while_loop`` that also ends when every row is
-   done); each step's attention reads only the slots its row has written
-   (``models.attention.paged``). Between chunks the host reads which rows are done,
+2. Decode in chunks of steps (a ``while_loop`` that also ends when every row is done);
+   each step's attention reads only the slots its row has written
+   (``models.attention.paged``). A chunk's length is sized from the rows still running
+   (``next_chunk``): from ``chunk // 8`` steps, halved after a chunk in which rows
+   finished (the batch is shrinking: compact it soon), doubled after one in which none did
+   (a stable tail: fewer round trips), at most ``chunk`` and never past the longest budget
+   left; the length is traced, so every length runs one compiled chunk per rung. Between
+   chunks the host reads which rows are done,
    returns their pages, admits waiting rows into the freed places (continuous batching,
    when ``max_rows`` caps the rows decoding at once), gathers the active rows into the
    smallest rung of a static row ladder (``jaxhead.bucket_ladder``: few shapes, one
@@ -15,10 +20,15 @@
    grows along a ladder of sizes when the pages run out (and keeps its size for the next
    call), so the cache holds what the rows have written plus at most one chunk.
 
-Rows keep their global index (``row_ids``) and draw decode step ``t`` with ``fold_in(key,
-t)`` (``models.generate.api``) wherever and whenever they run: the tokens are the
-reference engine's for the same key (a changed batch shape moves a logit by float
-rounding only). Rows are written into the ``[B, T]`` record by that index.
+Rows keep their global index (``row_ids``), which places their draws in the ``[B, T]``
+record, and draw decode step ``t`` with their request's key (``models.generate.api.
+request_key``) wherever and whenever they run: the tokens are the reference engine's for
+the same key (a changed batch shape moves a logit by float rounding only).
+
+A row reads only slots it wrote: its block table's unused entries are ``NO_PAGE`` (out of
+the pool: they read zeros), and the attention selects masked slots away
+(``models.attention.paged``), so a page's stale contents or another request's NaN never
+reach it.
 
 Under a mesh the rows are split in order over the batch shards (``ceil(B / n)`` each);
 each shard prefills the prompts its rows continue (a prompt whose samples straddle two
@@ -48,12 +58,14 @@ from models.generate.api import (
     empty_record,
     ended,
     masked,
+    row_requests,
 )
 from models.generate.pages import PageAllocator
 
 #: Page pools are a multiple of this many pages per shard.
 POOL_MULTIPLE = 8
-#: An unused entry of a page scatter (out of range: dropped).
+#: An unused entry of a page scatter or a block table (out of any pool: a scatter drops
+#: it, a gather reads zeros).
 NO_PAGE = 2 ** 30
 
 
@@ -62,6 +74,8 @@ class Rows(NamedTuple):
 
     Attributes:
       row_ids: global row index (``num_rows``: padding).
+      request, sample: the row's request id and sample index (``models.generate.api.
+        row_requests``): they key its draws.
       tokens: the last drawn token (not yet in the cache).
       lens: the row's prompt length.
       budgets: the most tokens the row decodes.
@@ -71,6 +85,8 @@ class Rows(NamedTuple):
     """
 
     row_ids: jax.Array
+    request: jax.Array
+    sample: jax.Array
     tokens: jax.Array
     lens: jax.Array
     budgets: jax.Array
@@ -92,8 +108,8 @@ def _scatter_prompt(kp, vp, ck, cv, src, dest):
             vp.at[dest].set(paged(cv)[src].astype(vp.dtype), mode="drop"))
 
 
-def prefill(model, pools, prompts, plens, src, dest, prompt_of, row_ids, budgets, key,
-            temperature, trunc, d: Decoding, num_rows: int):
+def prefill(model, pools, prompts, plens, src, dest, prompt_of, row_ids, request, sample,
+            budgets, key, temperature, trunc, d: Decoding, num_rows: int):
     """Prefill ``[n U, W]`` prompts (U per shard), store their pages and draw every row's
     first token.
 
@@ -104,8 +120,8 @@ def prefill(model, pools, prompts, plens, src, dest, prompt_of, row_ids, budgets
       src, dest: int32 ``[n E]``: per shard, prefill page ``src`` (prompt ``i``'s page
         ``j`` is ``i W / S + j``) goes to pool page ``dest`` (``NO_PAGE``: none).
       prompt_of: int32 ``[B']``: the prefill row (global) of each row's prompt.
-      row_ids, budgets: int32 ``[B']`` (``B' = num_rows``): global index (``num_rows``:
-        padding) and token budget of each row.
+      row_ids, request, sample, budgets: int32 ``[B']`` (``B' = num_rows``): global index
+        (``num_rows``: padding), request id, sample index and token budget of each row.
       key, temperature, trunc, d: as ``models.generate.reference.generate``.
 
     Returns:
@@ -124,12 +140,12 @@ def prefill(model, pools, prompts, plens, src, dest, prompt_of, row_ids, budgets
         values.append(vp)
     last = out.hidden[jnp.arange(prompts.shape[0]), plens - 1]
     first = draw(model, along_batch(last[prompt_of]), key, 0, temperature, trunc, d,
-                 row_ids, num_rows)
+                 request, sample)
     length = jnp.ones_like(row_ids)
     stopped, spent = ended(first.tokens, length, budgets, d)
     pad = row_ids >= num_rows
-    rows = along_batch(Rows(row_ids, first.tokens, plens[prompt_of], budgets, length,
-                            stopped | spent | pad, stopped & ~pad))
+    rows = along_batch(Rows(row_ids, request, sample, first.tokens, plens[prompt_of],
+                            budgets, length, stopped | spent | pad, stopped & ~pad))
     record = tuple(r.at[:, 0].set(x) for r, x in
                    zip(empty_record(num_rows, d.max_new_tokens), first))
     record = along_batch((*record, length, rows.stopped))
@@ -151,8 +167,20 @@ def assemble(batch: Rows, first: Rows, fresh: jax.Array, idx: jax.Array) -> Rows
                                      row_ids=jnp.where(pad, num_rows, rows.row_ids)))
 
 
-def decode_chunk(model, pools, rows: Rows, tables, record, key, start, temperature, trunc,
-                 d: Decoding, num_rows: int, chunk: int, lockstep: bool):
+def next_chunk(previous: int, finished: bool, shortest: int, longest: int,
+               steps_left: int) -> int:
+    """The length of the next decode chunk: ``previous`` halved when rows ``finished`` in
+    it, else doubled (0: the first chunk, ``shortest``), within ``[shortest, longest]`` and
+    at most ``steps_left`` (the longest budget a running row has left; >= 1)."""
+    if not previous:
+        size = shortest
+    else:
+        size = previous // 2 if finished else previous * 2
+    return max(1, min(max(size, shortest), longest, steps_left))
+
+
+def decode_chunk(model, pools, rows: Rows, tables, record, key, start, chunk, temperature,
+                 trunc, d: Decoding, num_rows: int, lockstep: bool):
     """Up to ``chunk`` decode steps of ``rows`` (fewer when every row ends), writing
     their draws into ``record`` at ``[global index, step]``.
 
@@ -162,6 +190,7 @@ def decode_chunk(model, pools, rows: Rows, tables, record, key, start, temperatu
       start: int32: the decode step of every active row at the chunk's start when
         ``lockstep`` (the rows started together); otherwise each row draws step
         ``length`` with its own key.
+      chunk: int32 scalar (traced): the most steps to run.
 
     Returns:
       ``(pools, rows, record, steps run)``.
@@ -176,7 +205,7 @@ def decode_chunk(model, pools, rows: Rows, tables, record, key, start, temperatu
         o = model(r.tokens[:, None], slot[:, None], jnp.ones_like(slot)[:, None], cache)
         step = start + k if lockstep else r.length
         new = masked(draw(model, o.hidden[:, 0], key, step, temperature, trunc, d,
-                          r.row_ids, num_rows), r.done)
+                          r.request, r.sample), r.done)
         *fields, lengths, stopped = record
         col = jnp.where(r.done, d.max_new_tokens, r.length)  # finished rows: dropped
         fields = [f.at[r.row_ids, col].set(x, mode="drop") for f, x in zip(fields, new)]
@@ -212,7 +241,8 @@ class CompactEngine:
     Args:
       merge: ``params -> model``.
       d: the static settings.
-      chunk: decode steps between compactions (>= 1).
+      chunk: the most decode steps between compactions (>= 1); chunks start at ``chunk //
+        8`` (at least 1) and adapt (``next_chunk``).
       rung_multiple: every rung of the row ladder below its top is a multiple of it (a
         multiple of ``row_multiple``).
       row_multiple: the batch shards n: rows are split in order over them (``ceil(B /
@@ -263,9 +293,10 @@ class CompactEngine:
             elif name == "chunk":
                 num_rows, lockstep = static
 
-                def fn(params, pools, rows, tables, record, key, start, temperature, trunc):
+                def fn(params, pools, rows, tables, record, key, start, chunk, temperature,
+                       trunc):
                     return decode_chunk(merge(params), pools, rows, tables, record, key,
-                                        start, temperature, trunc, d, num_rows, self.chunk,
+                                        start, chunk, temperature, trunc, d, num_rows,
                                         lockstep)
                 kw = {"donate_argnums": (1, 4)}
             elif name == "assemble":
@@ -344,15 +375,16 @@ class CompactEngine:
         return (prompts[slot_of], lens[slot_of].astype(np.int32), src.ravel(), dest.ravel(),
                 prompt_of, pages, tokens)
 
-    def _pages_for_chunk(self, batch, length, lens, budgets, pages, alloc: PageAllocator):
-        """Give every row of ``batch`` the pages of the slots the next chunk may write;
-        returns the pool size (pages per shard) that needs."""
+    def _pages_for_chunk(self, batch, length, lens, budgets, pages, alloc: PageAllocator,
+                         chunk: int):
+        """Give every row of ``batch`` the pages of the slots the next ``chunk`` steps may
+        write; returns the pool size (pages per shard) that needs."""
         size, wanted = self.page_size, []
         for s, rows in enumerate(batch):
             more = {}
             for r in rows:
                 slot = lens[r] + length[r] - 1  # the next write
-                limit = min(slot + self.chunk, lens[r] + budgets[r] - 1)
+                limit = min(slot + chunk, lens[r] + budgets[r] - 1)
                 more[r] = max(0, -(-limit // size) - len(pages[r]))
             wanted.append(more)
         need = max(alloc.size - alloc.free(s) + sum(m.values()) for s, m in enumerate(wanted))
@@ -364,7 +396,7 @@ class CompactEngine:
         return alloc.size
 
     def __call__(self, params, prompts, lens, budgets: np.ndarray, key, temperature, trunc,
-                 *, group_size: int) -> tuple[tuple[jax.Array, ...], Work]:
+                 *, group_size: int, request_ids=None) -> tuple[tuple[jax.Array, ...], Work]:
         """Rollouts of ``len(budgets)`` rows (``G`` per prompt row, in order).
 
         Args:
@@ -374,6 +406,9 @@ class CompactEngine:
             continues prompt ``r // G``.
           key, temperature, trunc: as ``models.generate.reference.generate``.
           group_size: G, consecutive rows per prompt row (one compile serves every G).
+          request_ids: None or one distinct int per prompt (``models.generate.api.
+            row_requests``): prompt ``i``'s samples draw as request ``request_ids[i]``
+            (default ``i``).
 
         Returns:
           ``(record, work)``: record as ``prefill``'s (device arrays ``[B', ...]``, ``B'
@@ -387,6 +422,7 @@ class CompactEngine:
         num_rows = per * n
         row_ids = np.arange(num_rows, dtype=np.int32)
         row_ids[real:] = num_rows
+        request, sample = row_requests(request_ids, real // group_size, group_size, num_rows)
         source = np.minimum(np.arange(num_rows) // group_size, len(lens) - 1)
         full = np.ones(num_rows, np.int32)
         full[:real] = budgets
@@ -395,8 +431,8 @@ class CompactEngine:
             prompts, lens, source, real, per, alloc)
         pools = self._fn("pool", alloc.size)(params)
         pools, first, record = self._fn("prefill", num_rows)(
-            params, pools, pprompts, plens, src, dest, prompt_of, row_ids, full, key,
-            temperature, trunc)
+            params, pools, pprompts, plens, src, dest, prompt_of, row_ids, request, sample,
+            full, key, temperature, trunc)
         done0 = np.asarray(self.read(first.done))
         for r in np.flatnonzero(done0[:real]):  # ended on their first token
             alloc.release(r // per, pages.pop(r))
@@ -408,7 +444,7 @@ class CompactEngine:
         batch: list[list[int]] = [[] for _ in range(n)]
         length, plen = dict.fromkeys(range(real), 1), lens[source]
         place: dict[int, int] = {}  # row -> its place in ``rows``
-        rows, work, start = first, 0, 1
+        rows, work, start, chunk, finished = first, 0, 1, 0, False
         while True:
             for s in range(n):  # waiting rows take the free places
                 free = cap - len(batch[s])
@@ -416,15 +452,17 @@ class CompactEngine:
             if not any(batch):
                 break
             rung = next(r for r in ladder if r >= max(map(len, batch)))
-            need = self._pages_for_chunk(batch, length, plen, full, pages, alloc)
+            left = max(int(full[r]) - length[r] for rs in batch for r in rs)
+            chunk = next_chunk(chunk, finished, max(1, self.chunk // 8), self.chunk, left)
+            need = self._pages_for_chunk(batch, length, plen, full, pages, alloc, chunk)
             if need > alloc.size:
                 grown = self._pool_size(need)
                 pools = self._fn("grow", grown)(pools)
                 alloc.grow(grown)
-                self._pages_for_chunk(batch, length, plen, full, pages, alloc)
+                self._pages_for_chunk(batch, length, plen, full, pages, alloc, chunk)
             fresh = np.zeros(n * rung, bool)
             idx = np.full(n * rung, -1, np.int32)
-            tables = np.zeros((n * rung, width), np.int32)
+            tables = np.full((n * rung, width), NO_PAGE, np.int32)
             for s, rs in enumerate(batch):
                 for j, r in enumerate(rs):
                     g = s * rung + j
@@ -433,11 +471,12 @@ class CompactEngine:
             place = {r: s * rung + j for s, rs in enumerate(batch) for j, r in enumerate(rs)}
             rows = self._fn("assemble", None)(rows, first, fresh, idx)
             pools, rows, record, k = self._fn("chunk", (num_rows, lockstep))(
-                params, pools, rows, tables, record, key, np.int32(start), temperature,
-                trunc)
+                params, pools, rows, tables, record, key, np.int32(start), np.int32(chunk),
+                temperature, trunc)
             got_len, got_done, k = self.read((rows.length, rows.done, k))
             work += n * rung * int(k)
-            start += self.chunk
+            start += chunk
+            finished = bool(any(got_done[place[r]] for rs in batch for r in rs))
             for s in range(n):
                 for r in list(batch[s]):
                     length[r] = int(got_len[place[r]])

@@ -16,8 +16,8 @@ from models.generate.api import Decoding, along_batch, draw, empty_record, ended
 
 
 def generate(model, prompts: jax.Array, lens: jax.Array, source: jax.Array,
-             budgets: jax.Array, real_rows: jax.Array, key: jax.Array, temperature, trunc,
-             d: Decoding) -> tuple[jax.Array, ...]:
+             budgets: jax.Array, request: jax.Array, sample: jax.Array, real_rows: jax.Array,
+             key: jax.Array, temperature, trunc, d: Decoding) -> tuple[jax.Array, ...]:
     """One call's rollouts, traced (the caller jits it).
 
     Args:
@@ -25,6 +25,8 @@ def generate(model, prompts: jax.Array, lens: jax.Array, source: jax.Array,
       prompts: int32 ``[U, W]`` right-padded prompts; lens: int32 ``[U]`` their lengths.
       source: int32 ``[B]``: the prompt row ``r`` continues (``r // G`` for real rows).
       budgets: int32 ``[B]``: row ``r`` decodes at most ``budgets[r] <= T`` tokens.
+      request, sample: int32 ``[B]``: row ``r`` is sample ``sample[r]`` of request
+        ``request[r]`` (``models.generate.api.row_requests``), which keys its draws.
       real_rows: int32 scalar: rows from it on are padding (finished from the start).
       key, temperature, trunc: the draw's key, temperature (0: greedy) and
         ``Truncation`` values (traced).
@@ -42,8 +44,8 @@ def generate(model, prompts: jax.Array, lens: jax.Array, source: jax.Array,
     pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), prompts.shape)
     out = model(prompts, pos, (pos < lens[:, None]).astype(jnp.int32), cache)
     rows = jnp.arange(batch, dtype=jnp.int32)
-    first = draw(model, out.hidden[rows, lens - 1], key, 0, temperature, trunc, d, rows,
-                 batch)
+    first = draw(model, out.hidden[rows, lens - 1], key, 0, temperature, trunc, d, request,
+                 sample)
     record = tuple(r.at[:, 0].set(x) for r, x in zip(empty_record(batch, steps), first))
     length = jnp.ones((batch,), jnp.int32)
     stopped, spent = ended(first.tokens, length, budgets, d)
@@ -58,8 +60,8 @@ def generate(model, prompts: jax.Array, lens: jax.Array, source: jax.Array,
         step, tok, cache, record, done, stopped, length = c
         p = (lens + step - 1)[:, None]
         o = model(tok[:, None], p, jnp.ones_like(p), cache)
-        new = masked(draw(model, o.hidden[:, 0], key, step, temperature, trunc, d, rows,
-                          batch), done)
+        new = masked(draw(model, o.hidden[:, 0], key, step, temperature, trunc, d, request,
+                          sample), done)
         record = tuple(r.at[:, step].set(x) for r, x in zip(record, new))
         length = length + (~done).astype(jnp.int32)
         stop, spent = ended(new[0], length, budgets, d)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -91,3 +92,35 @@ def test_cache_overflow_is_an_error_eagerly_and_nan_under_jit():
     logits, _ = cached_logits(model, jit_cache, tokens[:, :1], positions[:, :1] + 3,
                               segments[:, :1])
     assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_overflowing_write_under_jit_never_lands_on_valid_slots():
+    """Reported case (issue "Nothing silent", item 12): an 8-slot cache at index 6 given
+    4 tokens under ``jit``; ``lax.dynamic_update_slice`` clamped the write back to slots
+    4-7 and overwrote the valid slots 4-5. The write is dropped whole (and the step's
+    hidden states are NaN): every slot keeps what it held, in every layer, for the
+    per-layer ``write_kv`` and the shared ``write_tokens`` alike."""
+    model = random_model(get_config("tiny", dtype="float32"), seed=4)
+    step = jax.jit(lambda m, t, p, s, c: m(t, p, s, c))
+    cache = model.init_cache(2, 8)
+    out = step(model, random_tokens((2, 6), seed=23), jnp.arange(6)[None].repeat(2, 0),
+               jnp.ones((2, 6), jnp.int32), cache)
+    before = out.cache
+    over = step(model, random_tokens((2, 4), seed=24), 6 + jnp.arange(4)[None].repeat(2, 0),
+                jnp.ones((2, 4), jnp.int32), before)
+    assert np.isnan(np.asarray(over.hidden)).all()
+    after = over.cache
+    for name in ("keys", "values"):
+        for layer, (a, b) in enumerate(zip(getattr(before, name), getattr(after, name))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                          err_msg=f"{name}[{layer}]")
+    for name in ("positions", "segment_ids"):
+        np.testing.assert_array_equal(np.asarray(getattr(before, name)),
+                                      np.asarray(getattr(after, name)), err_msg=name)
+    # a write that fits still lands (slots 6-7)
+    fit = step(model, random_tokens((2, 2), seed=25), 6 + jnp.arange(2)[None].repeat(2, 0),
+               jnp.ones((2, 2), jnp.int32), before)
+    assert np.isfinite(np.asarray(fit.hidden)).all()
+    assert np.asarray(fit.cache.segment_ids).all()
+    assert not np.array_equal(np.asarray(fit.cache.keys[0][:, 6:]),
+                              np.asarray(before.keys[0][:, 6:]))

@@ -16,6 +16,7 @@ import pytest
 
 import jaxhead
 from models import get_config
+from models.generate.compact import next_chunk
 from tests.support.models import random_model
 from train import rollout, state
 
@@ -99,7 +100,7 @@ def test_compact_draws_the_reference_tokens(request, workload, name, engine):
 
 
 def test_work_follows_the_completions(rollouts, workload):
-    prompts, _ = workload
+    prompts, budgets = workload
     rows = len(prompts) * G
     for name in FAST:
         (ro, ref), (_, work) = rollouts["reference", name], rollouts["compact", name]
@@ -107,18 +108,25 @@ def test_work_follows_the_completions(rollouts, workload):
         assert work.prefill_tokens == sum(map(len, prompts))
         assert ref.prefill_tokens == G * work.prefill_tokens
         # decode: at each chunk start the active rows (length > step) in their rung, for
-        # the steps until the chunk ends, T is reached or every row is done
+        # the steps until the chunk ends or every row is done; the chunks' lengths follow
+        # ``next_chunk`` (halved after rows finished, doubled after none did)
         ladder = jaxhead.bucket_ladder(rows, multiple=MULTIPLE, growth=GROWTH)
-        want = 0
-        for start in range(1, T, CHUNK):
-            active = ro.lengths[ro.lengths > start]
-            if len(active):
-                rung = next(r for r in ladder if r >= len(active))
-                want += rung * min(CHUNK, T - start, active.max() - start)
+        want, start, chunk, finished, sizes = 0, 1, 0, False, []
+        while (ro.lengths > start).any():
+            running = ro.lengths > start
+            active = ro.lengths[running]
+            chunk = next_chunk(chunk, finished, max(1, CHUNK // 8), CHUNK,
+                               int(budgets[running].max()) - start)
+            rung = next(r for r in ladder if r >= len(active))
+            want += rung * min(chunk, active.max() - start)
+            finished = bool((active <= start + chunk).any())
+            sizes.append(chunk)
+            start += chunk
         assert work.decode_row_steps == want, name
-        # <= sum of lengths (whole chunks) x the ladder's worst padding
+        assert len(set(sizes)) > 1, sizes  # the chunks did adapt
+        # <= each row's decode steps plus less than a chunk, x the ladder's worst padding
         worst = max(next(r for r in ladder if r >= a) / a for a in range(1, rows + 1))
-        steps = np.ceil((ro.lengths - 1) / CHUNK) * CHUNK
+        steps = np.where(ro.lengths > 1, ro.lengths - 1 + CHUNK - 1, 0)
         assert work.decode_row_steps <= worst * steps.sum()
         assert ref.decode_row_steps == ladder[-1] * (ro.lengths.max() - 1)
         assert work.decode_row_steps < 0.8 * ref.decode_row_steps
