@@ -25,6 +25,7 @@ import dataclasses
 import itertools
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -35,14 +36,15 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from models import export_dir
 from models.config import LLAMA3_ROPE_KEYS, ModelConfig
+from models.export_dir import INDEX_FILE
 from models.sharding import state_shardings
 from models.transformer import Transformer
 
 #: Supported ``architectures[0]`` of ``config.json`` and their ``model_type``.
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
-INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointError(ValueError):
@@ -162,10 +164,12 @@ def architecture(cfg: ModelConfig) -> str:
                           f"qkv_bias={cfg.qkv_bias}, num_experts={cfg.num_experts}")
 
 
-def config_to_hf(cfg: ModelConfig, torch_dtype: str) -> dict:
+def config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
     """The ``config.json`` dict transformers reads for ``cfg`` (architecture by
     ``architecture``; RoPE as ``rope_parameters`` and, for readers older than
-    transformers 5, ``rope_theta`` / ``rope_scaling``).
+    transformers 5, ``rope_theta`` / ``rope_scaling``; the tensors' ``dtype`` under both
+    names, ``dtype`` as transformers 5 writes and reads it and ``torch_dtype`` for older
+    readers).
 
     Raises:
       CheckpointError: see ``architecture``.
@@ -182,7 +186,7 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str) -> dict:
         "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
         "rope_parameters": rope, "tie_word_embeddings": cfg.tie_word_embeddings,
-        "use_sliding_window": False, "torch_dtype": torch_dtype,
+        "use_sliding_window": False, "dtype": dtype, "torch_dtype": dtype,
         # the oldest transformers with all four architectures (Qwen3 came in 4.51) reads
         # this layout; without the field transformers 5 warns about the tokenizer's regex
         "transformers_version": "4.51.0",
@@ -554,11 +558,28 @@ def _gather(x: jax.Array, unit: int | None, dtype) -> np.ndarray:
     return np.asarray(take(x).addressable_data(0))
 
 
+def _barrier(name: str) -> None:
+    """Every process waits here for the others (nothing when there is one)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 def save_params(params: dict[tuple, jax.Array], cfg: ModelConfig, path, *, dtype=None,
-                max_shard_bytes: int = 5 * 2**30, metadata: dict | None = None) -> list[Path]:
+                max_shard_bytes: int = 5 * 2**30, metadata: dict | None = None,
+                replace: bool = False,
+                add_files: Callable[[Path], None] | None = None) -> list[Path]:
     """Write ``params`` as a HF checkpoint directory transformers (and vLLM) can load:
     ``config.json`` and ``model.safetensors``, or, above ``max_shard_bytes``,
     ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``.
+
+    The export owns ``path`` (``models.export_dir``): it is written into a staging
+    directory beside it and moved into place when complete, replacing what was there
+    whole, so no weight file or index of an earlier export survives (whatever its layout
+    or dtype) and a failed export leaves the earlier one as it was. ``path`` must be
+    missing, empty or a previous export unless ``replace`` is set; the check runs before
+    anything is written.
 
     On several processes (a mesh spanning hosts) every process must call it with the
     same arguments: the shards are planned from the shapes alone, identically everywhere,
@@ -569,32 +590,51 @@ def save_params(params: dict[tuple, jax.Array], cfg: ModelConfig, path, *, dtype
     whose shard the unit's tensors fall in. So no host ever holds more than one unit plus
     the shard it is filling (<= ``max_shard_bytes``), never the whole model; the cost is
     network traffic: every unit reaches every host. Process 0 writes ``config.json`` and
-    the index after a barrier, when every shard is on disk (``path`` must be one
-    directory every process sees, e.g. a shared file system).
+    the index after a barrier, when every shard is on disk, then moves the directory into
+    place (``path`` must be one directory every process sees, e.g. a shared file system);
+    no process returns before it is there.
 
     Args:
       params: parameter path (as in ``nnx.to_flat_state``) -> array of the model of
         ``cfg``, in any sharding (e.g. the trainer's).
       cfg: the model's config.
-      path: output directory (created if missing; existing files are overwritten).
-      dtype: tensor dtype in the files (float32 or bfloat16); default ``cfg.param_dtype``.
+      path: output directory.
+      dtype: tensor dtype in the files, float32 or bfloat16 (``config.json``'s ``dtype``
+        and ``torch_dtype``); default ``cfg.param_dtype``.
       max_shard_bytes: shard size limit (a tensor is never split).
-      metadata: more ``config.json`` fields (e.g. ``bos_token_id`` / ``eos_token_id``).
+      metadata: more ``config.json`` fields (e.g. ``bos_token_id`` / ``eos_token_id``),
+        none of those the model's config determines.
+      replace: replace ``path`` even if it is a file or a directory that holds no previous
+        export (its contents are deleted once the new export is complete).
+      add_files: called by process 0 with the staging directory once the weights and
+        ``config.json`` are in it, before it is moved into place: the export's other files
+        (e.g. the tokenizer's), which then appear together with the weights.
 
     Returns:
-      The files this process wrote.
+      The weight files this process wrote, at their final place under ``path``.
 
     Raises:
       CheckpointError: a config no HF architecture expresses (see ``architecture``).
       KeyError: ``params`` lacks a parameter of the model (its path named).
+      ValueError: a ``dtype`` other than float32 / bfloat16; ``metadata`` setting a field
+        the model's config determines (named).
+      FileExistsError: ``path`` may not be replaced (see ``models.export_dir``).
     """
     dtype = jnp.dtype(cfg.param_dtype if dtype is None else dtype)
-    hf_config = {**config_to_hf(cfg, str(dtype)), **(metadata or {})}
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"export dtype {dtype.name!r}: float32 or bfloat16 only")
+    hf_config = config_to_hf(cfg, dtype.name)
+    clash = sorted(set(metadata or {}) & set(hf_config))
+    if clash:
+        raise ValueError(f"metadata sets {clash}, which config.json takes from the model "
+                         "and the export dtype")
+    hf_config.update(metadata or {})
     path = Path(path)
     tensors = _tensor_map(cfg)
     missing = sorted(set(tensors) - set(params), key=str)
     if missing:
         raise KeyError(f"no value for parameter {'/'.join(map(str, missing[0]))}")
+    export_dir.check_destination(path, replace=replace)
     # the plan: (param path, unit, its HF keys and their bytes), then shards of whole tensors
     plan = []
     for p, t in tensors.items():
@@ -617,54 +657,63 @@ def save_params(params: dict[tuple, jax.Array], cfg: ModelConfig, path, *, dtype
     left = [sum(1 for s in shard_of.values() if s == i) for i in range(n)]
     pending: dict[int, dict[str, np.ndarray]] = {}
     written = []
-    path.mkdir(parents=True, exist_ok=True)
-    for p, unit, keys, _ in plan:
-        if all(shard_of[k] % count != me for k in keys) and (
-                params[p].is_fully_addressable or params[p].sharding.is_fully_replicated):
-            for key in keys:
-                left[shard_of[key]] -= 1
-            continue  # not this process's, and no collective to join
-        t = tensors[p]
-        value = _gather(params[p], unit, dtype)
-        lead = t.lead - (unit is not None)
-        parts = _Tensor(keys, t.n_in, lead, t.flat).to_hf(value)
-        for key, part in zip(keys, parts, strict=True):
-            shard = shard_of[key]
-            left[shard] -= 1
-            if shard % count == me:
-                pending.setdefault(shard, {})[key] = part
-            if not left[shard] and shard in pending:
-                save_file(pending.pop(shard), path / names[shard], metadata={"format": "pt"})
-                written.append(path / names[shard])
-    if count > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(f"save_params {path}")
     if me == 0:
-        if n > 1:
-            total = sum(sizes)
-            index = {"metadata": {"total_size": total},
-                     "weight_map": {k: names[s] for k, s in shard_of.items()}}
-            (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
-        (path / "config.json").write_text(json.dumps(hf_config, indent=2))
+        export_dir.prepare(path)
+    _barrier(f"save_params staging {path}")
+    staging = export_dir.staging_dir(path)
+    try:
+        for p, unit, keys, _ in plan:
+            if all(shard_of[k] % count != me for k in keys) and (
+                    params[p].is_fully_addressable or params[p].sharding.is_fully_replicated):
+                for key in keys:
+                    left[shard_of[key]] -= 1
+                continue  # not this process's, and no collective to join
+            t = tensors[p]
+            value = _gather(params[p], unit, dtype)
+            lead = t.lead - (unit is not None)
+            parts = _Tensor(keys, t.n_in, lead, t.flat).to_hf(value)
+            for key, part in zip(keys, parts, strict=True):
+                shard = shard_of[key]
+                left[shard] -= 1
+                if shard % count == me:
+                    pending.setdefault(shard, {})[key] = part
+                if not left[shard] and shard in pending:
+                    save_file(pending.pop(shard), staging / names[shard],
+                              metadata=export_dir.MARK)
+                    written.append(path / names[shard])
+        _barrier(f"save_params {path}")
+        if me == 0:
+            if n > 1:
+                index = {"metadata": {"total_size": sum(sizes)},
+                         "weight_map": {k: names[s] for k, s in shard_of.items()}}
+                (staging / INDEX_FILE).write_text(json.dumps(index, indent=2))
+            (staging / "config.json").write_text(json.dumps(hf_config, indent=2))
+            if add_files is not None:
+                add_files(staging)
+            export_dir.commit(path)
+    except BaseException:
+        if count == 1:  # on several, the next export to path removes the staging directory
+            export_dir.discard(path)
+        raise
+    _barrier(f"save_params done {path}")
     return written
 
 
 def save_model(model: Transformer, path, *, dtype=None, max_shard_bytes: int = 5 * 2**30,
-               metadata: dict | None = None) -> list[Path]:
+               metadata: dict | None = None, replace: bool = False) -> list[Path]:
     """Export ``model`` as a HF checkpoint directory transformers can load
     (``save_params`` of its parameters; every process calls it when they span several).
 
     Args:
       model: the ``Transformer``.
-      path, dtype, max_shard_bytes, metadata: see ``save_params``.
+      path, dtype, max_shard_bytes, metadata, replace: see ``save_params``.
 
     Returns:
       The safetensors files this process wrote.
 
     Raises:
-      CheckpointError: a config no HF architecture expresses (see ``architecture``).
+      CheckpointError, ValueError, FileExistsError: see ``save_params``.
     """
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     return save_params({p: v[...] for p, v in params.items()}, model.cfg, path, dtype=dtype,
-                       max_shard_bytes=max_shard_bytes, metadata=metadata)
+                       max_shard_bytes=max_shard_bytes, metadata=metadata, replace=replace)
