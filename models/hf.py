@@ -4,7 +4,9 @@ directory into a ``Transformer`` and export one back (``config.json`` + safetens
 
 Tensor layout: HF linear weights are ``[out, in]``; ours are ``[in..., out...]`` with the
 head dimensions split (``q_proj`` ``[H, N, D]``, ``o_proj`` ``[N, D, H]``) and MoE
-experts stacked on a leading ``[E]`` axis (HF stores ``mlp.experts.{e}.*`` per expert).
+experts stacked on a leading ``[E]`` axis (HF stores ``mlp.experts.{e}.*`` per expert, the
+layout the export writes; the import also reads transformers 5's fused
+``mlp.experts.gate_up_proj`` / ``down_proj``).
 With ``ModelConfig.scan_layers`` the layers are stacked too, on a leading ``[L]`` axis
 before the expert one (HF stores ``model.layers.{i}.*`` per layer). Qwen2's q/k/v biases
 are ``[N, D]`` / ``[K, D]`` here, flat ``[N*D]`` / ``[K*D]`` in the files.
@@ -25,6 +27,7 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -373,22 +376,85 @@ def load_config(path, *, dtype="bfloat16", param_dtype="float32",
         scan_layers=scan_layers)
 
 
+#: transformers 5's fused experts of one MoE layer: ``gate_up_proj`` ``[E, 2I, H]`` (each
+#: expert's gate rows, then its up rows) and ``down_proj`` ``[E, H, I]``.
+_FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fused:
+    """Where a per-expert key (``...experts.{e}.gate_proj.weight``, ``[I, H]``) lies in a
+    fused tensor: ``fused[expert, offset:offset + rows, :]``."""
+
+    key: str
+    expert: int
+    offset: int
+
+    def read(self, handle, index: tuple[slice, slice]) -> np.ndarray:
+        """The block ``index`` (rows, columns of the per-expert matrix) of the expert."""
+        rows, cols = index
+        block = (slice(self.expert, self.expert + 1),
+                 slice(rows.start + self.offset, rows.stop + self.offset), cols)
+        return handle.get_slice(self.key)[block][0]
+
+
+def _fused_experts(cfg: ModelConfig, handles, key_files: dict[str, Path]) -> dict[str, _Fused]:
+    """Per-expert key -> its place in a fused tensor, for every fused expert tensor of the
+    files (transformers 5's layout, ``_FUSED_EXPERTS``), its shape checked against
+    ``cfg``.
+
+    Raises:
+      CheckpointError: a fused tensor of the wrong shape (key, file, both shapes named),
+        or experts stored both fused and per expert (both keys named).
+    """
+    out = {}
+    e_, i_, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    for key, file in key_files.items():
+        match = _FUSED_EXPERTS.fullmatch(key)
+        if not match or not e_:
+            continue
+        prefix, name = match.groups()
+        shape, parts = {"gate_up_proj": ((e_, 2 * i_, h), (("gate_proj", 0), ("up_proj", i_))),
+                        "down_proj": ((e_, h, i_), (("down_proj", 0),))}[name]
+        found = tuple(handles[file].get_slice(key).get_shape())
+        if found != shape:
+            raise CheckpointError(f"{file}: fused experts tensor {key!r} has shape {found}, "
+                                  f"expected {shape} from config.json")
+        for e in range(e_):
+            for proj, offset in parts:
+                alias = f"{prefix}.{e}.{proj}.weight"
+                if alias in key_files:
+                    raise CheckpointError(f"{file}: experts stored both fused and one by one: "
+                                          f"{key!r} and {alias!r}")
+                out[alias] = _Fused(key, e, offset)
+    return out
+
+
 def _check_tensors(path: Path, handles, key_files: dict[str, Path],
-                   expected: dict[str, tuple[int, ...]]) -> None:
+                   expected: dict[str, tuple[int, ...]], fused: dict[str, _Fused]) -> None:
     """Raise unless the files hold exactly the ``expected`` keys with these shapes (read
-    from the files' headers only)."""
-    missing = [key for key in expected if key not in key_files]
+    from the files' headers only), an expert's either itself or in a fused tensor."""
+    missing = [key for key in expected if key not in key_files and key not in fused]
     if missing:
+        first = missing[0]
+        hint = ""
+        if ".mlp.experts." in first:
+            prefix = first.split(".mlp.experts.")[0]
+            hint = (f" or fused as {prefix}.mlp.experts.gate_up_proj / "
+                    f"{prefix}.mlp.experts.down_proj")
         raise CheckpointError(
-            f"{path}: missing tensor {missing[0]!r} (expected shape {expected[missing[0]]} "
-            f"from config.json); {len(missing)} missing in all"
+            f"{path}: missing tensor {first!r} (expected shape {expected[first]} "
+            f"from config.json{hint}); {len(missing)} missing in all"
         )
     for key, shape in expected.items():
+        if key in fused:
+            continue  # the fused tensor's shape is checked by _fused_experts
         found = tuple(handles[key_files[key]].get_slice(key).get_shape())
         if found != shape:
             raise CheckpointError(f"{key_files[key]}: tensor {key!r} has shape {found}, "
                                   f"expected {shape} from config.json")
-    extra = sorted(set(key_files) - set(expected))
+    used = {f.key for alias, f in fused.items() if alias in expected}
+    extra = sorted(set(key_files) - set(expected) - used)
     if extra:
         raise CheckpointError(
             f"{path}: {len(extra)} tensor(s) that config.json does not account for, "
@@ -406,6 +472,13 @@ def load_params(path, cfg: ModelConfig, shardings=None) -> dict[tuple, jax.Array
     tensors (see ``_Tensor.read``). Tensors of any float dtype are converted to
     ``cfg.param_dtype`` (bfloat16 rounds to nearest even).
 
+    A Qwen3-MoE layer's experts are read in either layout, per expert
+    (``mlp.experts.{e}.gate_proj.weight`` ``[I, H]``, ``up_proj``, ``down_proj`` ``[H,
+    I]``: what transformers 4 and 5 write and vLLM reads) or fused as transformers 5 holds
+    them in memory (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, each expert's gate rows
+    then its up rows, and ``mlp.experts.down_proj`` ``[E, H, I]``); a slice of an expert
+    is then read from the fused tensor's rows.
+
     Args:
       path: the checkpoint directory: ``model.safetensors``, several ``*.safetensors``, or
         shards listed by ``model.safetensors.index.json`` (``config.json`` is not read:
@@ -422,8 +495,9 @@ def load_params(path, cfg: ModelConfig, shardings=None) -> dict[tuple, jax.Array
 
     Raises:
       CheckpointError: a tensor the config requires is missing (key and expected shape
-        named); a tensor's shape disagrees with the config (key, file, expected and found
-        shapes named); tensors the model does not use; ``lm_head.weight`` present in a
+        named; an expert's in neither layout); a tensor's shape disagrees with the config
+        (key, file, expected and found shapes named); experts stored in both layouts;
+        tensors the model does not use; ``lm_head.weight`` present in a
         tied checkpoint but different from the embedding (each process compares the
         slices it reads).
       KeyError: ``shardings`` lacks a parameter (its path named).
@@ -444,9 +518,12 @@ def load_params(path, cfg: ModelConfig, shardings=None) -> dict[tuple, jax.Array
     with contextlib.ExitStack() as stack:
         handles = {file: stack.enter_context(safe_open(file, framework="np"))
                    for file in sorted(set(key_files.values()))}
-        _check_tensors(path, handles, key_files, expected)
+        fused = _fused_experts(cfg, handles, key_files)
+        _check_tensors(path, handles, key_files, expected, fused)
 
         def get(key: str, index: tuple[slice, ...]) -> np.ndarray:
+            if key in fused:
+                return fused[key].read(handles[key_files[fused[key].key]], index)
             return handles[key_files[key]].get_slice(key)[index]
 
         for p, var in params:
