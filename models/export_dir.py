@@ -75,8 +75,14 @@ def check_destination(path, *, replace: bool = False) -> None:
     Raises:
       FileExistsError: ``path`` is a file, or a non-empty directory that is no previous
         export (the message names it, a few of its entries and how to replace it).
+      ValueError: ``path`` is the working directory or holds it (replacing it would
+        leave this process without one), ``replace`` or not.
     """
-    path = Path(path)
+    path = Path(path).absolute()
+    if path.exists() and Path.cwd().resolve().is_relative_to(path.resolve()):
+        raise ValueError(f"export destination {str(path)!r} is or holds the working "
+                         "directory, which the export would replace; choose a directory "
+                         "beside it")
     if replace or not path.exists():
         return
     if not path.is_dir():

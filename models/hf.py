@@ -695,7 +695,8 @@ def save_params(params: dict[tuple, jax.Array], cfg: ModelConfig, path, *, dtype
       KeyError: ``params`` lacks a parameter of the model (its path named).
       ValueError: a ``dtype`` other than float32 / bfloat16; ``metadata`` setting a field
         the model's config determines (named).
-      FileExistsError: ``path`` may not be replaced (see ``models.export_dir``).
+      FileExistsError, ValueError: ``path`` may not be replaced (see
+        ``models.export_dir.check_destination``).
     """
     dtype = jnp.dtype(cfg.param_dtype if dtype is None else dtype)
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
@@ -706,7 +707,7 @@ def save_params(params: dict[tuple, jax.Array], cfg: ModelConfig, path, *, dtype
         raise ValueError(f"metadata sets {clash}, which config.json takes from the model "
                          "and the export dtype")
     hf_config.update(metadata or {})
-    path = Path(path)
+    path = Path(path).absolute()  # "." has a parent to stage beside
     tensors = _tensor_map(cfg)
     missing = sorted(set(tensors) - set(params), key=str)
     if missing:

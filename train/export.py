@@ -140,8 +140,12 @@ def export_run(run, out, *, step: int | None = None, stage: str | None = None,
       FileNotFoundError: ``run`` is no run directory (no ``config.json``) or has no
         checkpoint of that stage; a ``step`` it does not hold (its steps listed).
       models.CheckpointError, FileExistsError: see ``export_params``.
+      ValueError: ``out`` is ``run`` or holds it.
     """
     run = Path(run)
+    if run.resolve().is_relative_to(Path(out).resolve()):
+        raise ValueError(f"--out={out} is or holds the run directory {run}, which the "
+                         "export would replace; choose a directory beside it")
     cfg = resume.saved_config(run)
     stage = stage or latest_stage(run)
     ckpt = require_checkpoint(run / stage)

@@ -100,7 +100,8 @@ def test_export_over_an_export_leaves_only_the_newest(models, tmp_path, first, s
     assert_holds_exactly(out, new, second)
 
 
-def test_a_directory_holding_anything_else_is_refused_unless_replaced(models, tmp_path):
+def test_a_directory_holding_anything_else_is_refused_unless_replaced(models, tmp_path,
+                                                                     monkeypatch):
     """A run directory, a transformers checkpoint or any other non-empty directory is not
     an export's to delete: refused before anything is written, replaced when asked."""
     old, new = models
@@ -125,6 +126,10 @@ def test_a_directory_holding_anything_else_is_refused_unless_replaced(models, tm
     file.write_text("x")
     with pytest.raises(FileExistsError, match="is a file"):
         save_model(new, file)
+    with (pytest.raises(ValueError, match="is or holds the working directory"),
+          monkeypatch.context() as patch):
+        patch.chdir(out)
+        save_model(new, tmp_path, replace=True)
 
 
 def test_a_failed_export_leaves_the_previous_one_whole(models, tmp_path):

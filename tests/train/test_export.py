@@ -141,12 +141,15 @@ def test_a_directory_holding_something_else_is_refused_before_the_run(tmp_path):
     out = export.export_run(run, tmp_path / "hf")
     export.export_run(run, out, dtype="bfloat16")  # a previous export: replaced
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
-    with pytest.raises(FileExistsError, match=r"'.*/llama' is not empty and holds no "
-                                              r"previous export.*'config\.json', 'grpo'"):
-        export.export_run(run, run)
+    with pytest.raises(FileExistsError, match=r"'.*/tokenizer' is not empty and holds no "
+                                              r"previous export.*'tokenizer\.json'"):
+        export.export_run(run, tmp_path / "tokenizer")
+    with pytest.raises(ValueError, match=r"is or holds the run directory"):
+        export.export_run(run, tmp_path, replace=True)  # the checkpoint it reads
     cfg = resume.saved_config(run)
     cfg.export.hf_dir = str(run)
-    with pytest.raises(FileExistsError, match="export.replace=True"):
+    with pytest.raises(FileExistsError, match=r"'.*/llama' is not empty.*'config\.json', "
+                                              r"'grpo'.*export.replace=True"):
         export.check_destination(cfg)
     cfg.export.replace = True
     export.check_destination(cfg)
