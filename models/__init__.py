@@ -13,6 +13,7 @@ Public API:
   load_params                        HF parameters read per process in a mesh layout
   save_params                        HF export of parameters in any layout, each process
                                      writing its own shards
+  check_export_destination           may an export write this directory (models.export_dir)
   logical_axes, logical_partition_specs                   parameter logical axis names
   DEFAULT_RULES, state_shardings, init_sharded, jit_sharded
                                      placement on a models.mesh mesh (models.sharding);
@@ -21,6 +22,7 @@ Public API:
 
 from models.cache import KVCache, init_cache
 from models.config import PRESETS, ModelConfig, get_config
+from models.export_dir import check_destination as check_export_destination
 from models.hf import (
     CheckpointError,
     load_config,
@@ -50,6 +52,7 @@ __all__ = [
     "MeshConfig",
     "ModelConfig",
     "Transformer",
+    "check_export_destination",
     "check_ops",
     "get_config",
     "init_cache",

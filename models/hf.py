@@ -4,7 +4,9 @@ directory into a ``Transformer`` and export one back (``config.json`` + safetens
 
 Tensor layout: HF linear weights are ``[out, in]``; ours are ``[in..., out...]`` with the
 head dimensions split (``q_proj`` ``[H, N, D]``, ``o_proj`` ``[N, D, H]``) and MoE
-experts stacked on a leading ``[E]`` axis (HF stores ``mlp.experts.{e}.*`` per expert).
+experts stacked on a leading ``[E]`` axis (HF stores ``mlp.experts.{e}.*`` per expert, the
+layout the export writes; the import also reads transformers 5's fused
+``mlp.experts.gate_up_proj`` / ``down_proj``).
 With ``ModelConfig.scan_layers`` the layers are stacked too, on a leading ``[L]`` axis
 before the expert one (HF stores ``model.layers.{i}.*`` per layer). Qwen2's q/k/v biases
 are ``[N, D]`` / ``[K, D]`` here, flat ``[N*D]`` / ``[K*D]`` in the files.
@@ -25,6 +27,8 @@ import dataclasses
 import itertools
 import json
 import math
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -35,14 +39,15 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from models import export_dir
 from models.config import LLAMA3_ROPE_KEYS, ModelConfig
+from models.export_dir import INDEX_FILE
 from models.sharding import state_shardings
 from models.transformer import Transformer
 
 #: Supported ``architectures[0]`` of ``config.json`` and their ``model_type``.
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
-INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointError(ValueError):
@@ -162,10 +167,12 @@ def architecture(cfg: ModelConfig) -> str:
                           f"qkv_bias={cfg.qkv_bias}, num_experts={cfg.num_experts}")
 
 
-def config_to_hf(cfg: ModelConfig, torch_dtype: str) -> dict:
+def config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
     """The ``config.json`` dict transformers reads for ``cfg`` (architecture by
     ``architecture``; RoPE as ``rope_parameters`` and, for readers older than
-    transformers 5, ``rope_theta`` / ``rope_scaling``).
+    transformers 5, ``rope_theta`` / ``rope_scaling``; the tensors' ``dtype`` under both
+    names, ``dtype`` as transformers 5 writes and reads it and ``torch_dtype`` for older
+    readers).
 
     Raises:
       CheckpointError: see ``architecture``.
@@ -182,7 +189,7 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str) -> dict:
         "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
         "rope_parameters": rope, "tie_word_embeddings": cfg.tie_word_embeddings,
-        "use_sliding_window": False, "torch_dtype": torch_dtype,
+        "use_sliding_window": False, "dtype": dtype, "torch_dtype": dtype,
         # the oldest transformers with all four architectures (Qwen3 came in 4.51) reads
         # this layout; without the field transformers 5 warns about the tokenizer's regex
         "transformers_version": "4.51.0",
@@ -369,22 +376,85 @@ def load_config(path, *, dtype="bfloat16", param_dtype="float32",
         scan_layers=scan_layers)
 
 
+#: transformers 5's fused experts of one MoE layer: ``gate_up_proj`` ``[E, 2I, H]`` (each
+#: expert's gate rows, then its up rows) and ``down_proj`` ``[E, H, I]``.
+_FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fused:
+    """Where a per-expert key (``...experts.{e}.gate_proj.weight``, ``[I, H]``) lies in a
+    fused tensor: ``fused[expert, offset:offset + rows, :]``."""
+
+    key: str
+    expert: int
+    offset: int
+
+    def read(self, handle, index: tuple[slice, slice]) -> np.ndarray:
+        """The block ``index`` (rows, columns of the per-expert matrix) of the expert."""
+        rows, cols = index
+        block = (slice(self.expert, self.expert + 1),
+                 slice(rows.start + self.offset, rows.stop + self.offset), cols)
+        return handle.get_slice(self.key)[block][0]
+
+
+def _fused_experts(cfg: ModelConfig, handles, key_files: dict[str, Path]) -> dict[str, _Fused]:
+    """Per-expert key -> its place in a fused tensor, for every fused expert tensor of the
+    files (transformers 5's layout, ``_FUSED_EXPERTS``), its shape checked against
+    ``cfg``.
+
+    Raises:
+      CheckpointError: a fused tensor of the wrong shape (key, file, both shapes named),
+        or experts stored both fused and per expert (both keys named).
+    """
+    out = {}
+    e_, i_, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    for key, file in key_files.items():
+        match = _FUSED_EXPERTS.fullmatch(key)
+        if not match or not e_:
+            continue
+        prefix, name = match.groups()
+        shape, parts = {"gate_up_proj": ((e_, 2 * i_, h), (("gate_proj", 0), ("up_proj", i_))),
+                        "down_proj": ((e_, h, i_), (("down_proj", 0),))}[name]
+        found = tuple(handles[file].get_slice(key).get_shape())
+        if found != shape:
+            raise CheckpointError(f"{file}: fused experts tensor {key!r} has shape {found}, "
+                                  f"expected {shape} from config.json")
+        for e in range(e_):
+            for proj, offset in parts:
+                alias = f"{prefix}.{e}.{proj}.weight"
+                if alias in key_files:
+                    raise CheckpointError(f"{file}: experts stored both fused and one by one: "
+                                          f"{key!r} and {alias!r}")
+                out[alias] = _Fused(key, e, offset)
+    return out
+
+
 def _check_tensors(path: Path, handles, key_files: dict[str, Path],
-                   expected: dict[str, tuple[int, ...]]) -> None:
+                   expected: dict[str, tuple[int, ...]], fused: dict[str, _Fused]) -> None:
     """Raise unless the files hold exactly the ``expected`` keys with these shapes (read
-    from the files' headers only)."""
-    missing = [key for key in expected if key not in key_files]
+    from the files' headers only), an expert's either itself or in a fused tensor."""
+    missing = [key for key in expected if key not in key_files and key not in fused]
     if missing:
+        first = missing[0]
+        hint = ""
+        if ".mlp.experts." in first:
+            prefix = first.split(".mlp.experts.")[0]
+            hint = (f" or fused as {prefix}.mlp.experts.gate_up_proj / "
+                    f"{prefix}.mlp.experts.down_proj")
         raise CheckpointError(
-            f"{path}: missing tensor {missing[0]!r} (expected shape {expected[missing[0]]} "
-            f"from config.json); {len(missing)} missing in all"
+            f"{path}: missing tensor {first!r} (expected shape {expected[first]} "
+            f"from config.json{hint}); {len(missing)} missing in all"
         )
     for key, shape in expected.items():
+        if key in fused:
+            continue  # the fused tensor's shape is checked by _fused_experts
         found = tuple(handles[key_files[key]].get_slice(key).get_shape())
         if found != shape:
             raise CheckpointError(f"{key_files[key]}: tensor {key!r} has shape {found}, "
                                   f"expected {shape} from config.json")
-    extra = sorted(set(key_files) - set(expected))
+    used = {f.key for alias, f in fused.items() if alias in expected}
+    extra = sorted(set(key_files) - set(expected) - used)
     if extra:
         raise CheckpointError(
             f"{path}: {len(extra)} tensor(s) that config.json does not account for, "
@@ -402,6 +472,13 @@ def load_params(path, cfg: ModelConfig, shardings=None) -> dict[tuple, jax.Array
     tensors (see ``_Tensor.read``). Tensors of any float dtype are converted to
     ``cfg.param_dtype`` (bfloat16 rounds to nearest even).
 
+    A Qwen3-MoE layer's experts are read in either layout, per expert
+    (``mlp.experts.{e}.gate_proj.weight`` ``[I, H]``, ``up_proj``, ``down_proj`` ``[H,
+    I]``: what transformers 4 and 5 write and vLLM reads) or fused as transformers 5 holds
+    them in memory (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, each expert's gate rows
+    then its up rows, and ``mlp.experts.down_proj`` ``[E, H, I]``); a slice of an expert
+    is then read from the fused tensor's rows.
+
     Args:
       path: the checkpoint directory: ``model.safetensors``, several ``*.safetensors``, or
         shards listed by ``model.safetensors.index.json`` (``config.json`` is not read:
@@ -418,8 +495,9 @@ def load_params(path, cfg: ModelConfig, shardings=None) -> dict[tuple, jax.Array
 
     Raises:
       CheckpointError: a tensor the config requires is missing (key and expected shape
-        named); a tensor's shape disagrees with the config (key, file, expected and found
-        shapes named); tensors the model does not use; ``lm_head.weight`` present in a
+        named; an expert's in neither layout); a tensor's shape disagrees with the config
+        (key, file, expected and found shapes named); experts stored in both layouts;
+        tensors the model does not use; ``lm_head.weight`` present in a
         tied checkpoint but different from the embedding (each process compares the
         slices it reads).
       KeyError: ``shardings`` lacks a parameter (its path named).
@@ -440,9 +518,12 @@ def load_params(path, cfg: ModelConfig, shardings=None) -> dict[tuple, jax.Array
     with contextlib.ExitStack() as stack:
         handles = {file: stack.enter_context(safe_open(file, framework="np"))
                    for file in sorted(set(key_files.values()))}
-        _check_tensors(path, handles, key_files, expected)
+        fused = _fused_experts(cfg, handles, key_files)
+        _check_tensors(path, handles, key_files, expected, fused)
 
         def get(key: str, index: tuple[slice, ...]) -> np.ndarray:
+            if key in fused:
+                return fused[key].read(handles[key_files[fused[key].key]], index)
             return handles[key_files[key]].get_slice(key)[index]
 
         for p, var in params:
@@ -554,11 +635,28 @@ def _gather(x: jax.Array, unit: int | None, dtype) -> np.ndarray:
     return np.asarray(take(x).addressable_data(0))
 
 
+def _barrier(name: str) -> None:
+    """Every process waits here for the others (nothing when there is one)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 def save_params(params: dict[tuple, jax.Array], cfg: ModelConfig, path, *, dtype=None,
-                max_shard_bytes: int = 5 * 2**30, metadata: dict | None = None) -> list[Path]:
+                max_shard_bytes: int = 5 * 2**30, metadata: dict | None = None,
+                replace: bool = False,
+                add_files: Callable[[Path], None] | None = None) -> list[Path]:
     """Write ``params`` as a HF checkpoint directory transformers (and vLLM) can load:
     ``config.json`` and ``model.safetensors``, or, above ``max_shard_bytes``,
     ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``.
+
+    The export owns ``path`` (``models.export_dir``): it is written into a staging
+    directory beside it and moved into place when complete, replacing what was there
+    whole, so no weight file or index of an earlier export survives (whatever its layout
+    or dtype) and a failed export leaves the earlier one as it was. ``path`` must be
+    missing, empty or a previous export unless ``replace`` is set; the check runs before
+    anything is written.
 
     On several processes (a mesh spanning hosts) every process must call it with the
     same arguments: the shards are planned from the shapes alone, identically everywhere,
@@ -569,32 +667,52 @@ def save_params(params: dict[tuple, jax.Array], cfg: ModelConfig, path, *, dtype
     whose shard the unit's tensors fall in. So no host ever holds more than one unit plus
     the shard it is filling (<= ``max_shard_bytes``), never the whole model; the cost is
     network traffic: every unit reaches every host. Process 0 writes ``config.json`` and
-    the index after a barrier, when every shard is on disk (``path`` must be one
-    directory every process sees, e.g. a shared file system).
+    the index after a barrier, when every shard is on disk, then moves the directory into
+    place (``path`` must be one directory every process sees, e.g. a shared file system);
+    no process returns before it is there.
 
     Args:
       params: parameter path (as in ``nnx.to_flat_state``) -> array of the model of
         ``cfg``, in any sharding (e.g. the trainer's).
       cfg: the model's config.
-      path: output directory (created if missing; existing files are overwritten).
-      dtype: tensor dtype in the files (float32 or bfloat16); default ``cfg.param_dtype``.
+      path: output directory.
+      dtype: tensor dtype in the files, float32 or bfloat16 (``config.json``'s ``dtype``
+        and ``torch_dtype``); default ``cfg.param_dtype``.
       max_shard_bytes: shard size limit (a tensor is never split).
-      metadata: more ``config.json`` fields (e.g. ``bos_token_id`` / ``eos_token_id``).
+      metadata: more ``config.json`` fields (e.g. ``bos_token_id`` / ``eos_token_id``),
+        none of those the model's config determines.
+      replace: replace ``path`` even if it is a file or a directory that holds no previous
+        export (its contents are deleted once the new export is complete).
+      add_files: called by process 0 with the staging directory once the weights and
+        ``config.json`` are in it, before it is moved into place: the export's other files
+        (e.g. the tokenizer's), which then appear together with the weights.
 
     Returns:
-      The files this process wrote.
+      The weight files this process wrote, at their final place under ``path``.
 
     Raises:
       CheckpointError: a config no HF architecture expresses (see ``architecture``).
       KeyError: ``params`` lacks a parameter of the model (its path named).
+      ValueError: a ``dtype`` other than float32 / bfloat16; ``metadata`` setting a field
+        the model's config determines (named).
+      FileExistsError, ValueError: ``path`` may not be replaced (see
+        ``models.export_dir.check_destination``).
     """
     dtype = jnp.dtype(cfg.param_dtype if dtype is None else dtype)
-    hf_config = {**config_to_hf(cfg, str(dtype)), **(metadata or {})}
-    path = Path(path)
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"export dtype {dtype.name!r}: float32 or bfloat16 only")
+    hf_config = config_to_hf(cfg, dtype.name)
+    clash = sorted(set(metadata or {}) & set(hf_config))
+    if clash:
+        raise ValueError(f"metadata sets {clash}, which config.json takes from the model "
+                         "and the export dtype")
+    hf_config.update(metadata or {})
+    path = Path(path).absolute()  # "." has a parent to stage beside
     tensors = _tensor_map(cfg)
     missing = sorted(set(tensors) - set(params), key=str)
     if missing:
         raise KeyError(f"no value for parameter {'/'.join(map(str, missing[0]))}")
+    export_dir.check_destination(path, replace=replace)
     # the plan: (param path, unit, its HF keys and their bytes), then shards of whole tensors
     plan = []
     for p, t in tensors.items():
@@ -617,54 +735,63 @@ def save_params(params: dict[tuple, jax.Array], cfg: ModelConfig, path, *, dtype
     left = [sum(1 for s in shard_of.values() if s == i) for i in range(n)]
     pending: dict[int, dict[str, np.ndarray]] = {}
     written = []
-    path.mkdir(parents=True, exist_ok=True)
-    for p, unit, keys, _ in plan:
-        if all(shard_of[k] % count != me for k in keys) and (
-                params[p].is_fully_addressable or params[p].sharding.is_fully_replicated):
-            for key in keys:
-                left[shard_of[key]] -= 1
-            continue  # not this process's, and no collective to join
-        t = tensors[p]
-        value = _gather(params[p], unit, dtype)
-        lead = t.lead - (unit is not None)
-        parts = _Tensor(keys, t.n_in, lead, t.flat).to_hf(value)
-        for key, part in zip(keys, parts, strict=True):
-            shard = shard_of[key]
-            left[shard] -= 1
-            if shard % count == me:
-                pending.setdefault(shard, {})[key] = part
-            if not left[shard] and shard in pending:
-                save_file(pending.pop(shard), path / names[shard], metadata={"format": "pt"})
-                written.append(path / names[shard])
-    if count > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(f"save_params {path}")
     if me == 0:
-        if n > 1:
-            total = sum(sizes)
-            index = {"metadata": {"total_size": total},
-                     "weight_map": {k: names[s] for k, s in shard_of.items()}}
-            (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
-        (path / "config.json").write_text(json.dumps(hf_config, indent=2))
+        export_dir.prepare(path)
+    _barrier(f"save_params staging {path}")
+    staging = export_dir.staging_dir(path)
+    try:
+        for p, unit, keys, _ in plan:
+            if all(shard_of[k] % count != me for k in keys) and (
+                    params[p].is_fully_addressable or params[p].sharding.is_fully_replicated):
+                for key in keys:
+                    left[shard_of[key]] -= 1
+                continue  # not this process's, and no collective to join
+            t = tensors[p]
+            value = _gather(params[p], unit, dtype)
+            lead = t.lead - (unit is not None)
+            parts = _Tensor(keys, t.n_in, lead, t.flat).to_hf(value)
+            for key, part in zip(keys, parts, strict=True):
+                shard = shard_of[key]
+                left[shard] -= 1
+                if shard % count == me:
+                    pending.setdefault(shard, {})[key] = part
+                if not left[shard] and shard in pending:
+                    save_file(pending.pop(shard), staging / names[shard],
+                              metadata=export_dir.MARK)
+                    written.append(path / names[shard])
+        _barrier(f"save_params {path}")
+        if me == 0:
+            if n > 1:
+                index = {"metadata": {"total_size": sum(sizes)},
+                         "weight_map": {k: names[s] for k, s in shard_of.items()}}
+                (staging / INDEX_FILE).write_text(json.dumps(index, indent=2))
+            (staging / "config.json").write_text(json.dumps(hf_config, indent=2))
+            if add_files is not None:
+                add_files(staging)
+            export_dir.commit(path)
+    except BaseException:
+        if count == 1:  # on several, the next export to path removes the staging directory
+            export_dir.discard(path)
+        raise
+    _barrier(f"save_params done {path}")
     return written
 
 
 def save_model(model: Transformer, path, *, dtype=None, max_shard_bytes: int = 5 * 2**30,
-               metadata: dict | None = None) -> list[Path]:
+               metadata: dict | None = None, replace: bool = False) -> list[Path]:
     """Export ``model`` as a HF checkpoint directory transformers can load
     (``save_params`` of its parameters; every process calls it when they span several).
 
     Args:
       model: the ``Transformer``.
-      path, dtype, max_shard_bytes, metadata: see ``save_params``.
+      path, dtype, max_shard_bytes, metadata, replace: see ``save_params``.
 
     Returns:
       The safetensors files this process wrote.
 
     Raises:
-      CheckpointError: a config no HF architecture expresses (see ``architecture``).
+      CheckpointError, ValueError, FileExistsError: see ``save_params``.
     """
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     return save_params({p: v[...] for p, v in params.items()}, model.cfg, path, dtype=dtype,
-                       max_shard_bytes=max_shard_bytes, metadata=metadata)
+                       max_shard_bytes=max_shard_bytes, metadata=metadata, replace=replace)

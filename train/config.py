@@ -238,9 +238,11 @@ def schema() -> d.Schema:
         },
 
         # The final policy as a Hugging Face checkpoint directory (train.export): written at
-        # the end of the run when hf_dir is set; dtype "" = model.param_dtype.
+        # the end of the run when hf_dir is set; dtype "" = model.param_dtype; replace:
+        # replace hf_dir even if it holds something other than a previous export.
         "export": {"hf_dir": Key("", d.string(), resume=FREE),
-                   "dtype": Key("", d.one_of("", "float32", "bfloat16"), resume=FREE)},
+                   "dtype": Key("", d.one_of("", "float32", "bfloat16"), resume=FREE),
+                   "replace": Key(False, d.boolean(), resume=FREE)},
 
         "metrics": {"tensorboard": Key(True, d.boolean(), resume=FREE),
                     # 0: by device kind

@@ -1,14 +1,16 @@
 """A run's policy as a Hugging Face checkpoint directory that ``transformers`` and vLLM load:
 
     python -m train.export --run=runs/NAME [--step=N] [--stage=grpo|sft] --out=DIR \
-        [--dtype=bfloat16|float32]
+        [--dtype=bfloat16|float32] [--replace]
 
 The directory holds ``config.json`` (the model's architecture: ``Qwen3ForCausalLM``,
 ``Qwen3MoeForCausalLM``, ``Qwen2ForCausalLM`` or ``LlamaForCausalLM``, ``models.hf``),
 the weights as ``model.safetensors`` or shards plus ``model.safetensors.index.json``,
 ``generation_config.json`` (the run's stop tokens and rollout sampling settings) and the
 tokenizer's files (``train.tokenizer.save_tokenizer``: the run's own tokenizer, with the
-trainer's ChatML template and system prompt for the offline Qwen BPE).
+trainer's ChatML template and system prompt for the offline Qwen BPE). The export owns the
+directory: it is written beside it and moved into place whole (``models.save_params``), and a
+directory holding anything but a previous export is refused without ``--replace``.
 
 The command reads the run's saved config (``<run>/config.json``) for the model and the
 tokenizer, and restores the parameters of one checkpoint (default: the latest step of the
@@ -40,6 +42,8 @@ _STAGE = flags.DEFINE_enum("stage", None, [setup.GRPO_DIR, setup.SFT_DIR],
                            "the stage (default: grpo if it has a checkpoint, else sft)")
 _DTYPE = flags.DEFINE_enum("dtype", "", ["", "float32", "bfloat16"],
                            "tensor dtype in the files ('': the run's parameter dtype)")
+_REPLACE = flags.DEFINE_bool("replace", False, "replace --out even if it holds something "
+                             "other than a previous export")
 
 
 def generation_config(cfg, tokenizer) -> dict:
@@ -58,11 +62,12 @@ def generation_config(cfg, tokenizer) -> dict:
 
 
 def export_params(cfg, mdef: state.ModelDef, params: state.Params, out, *,
-                  dtype: str = "") -> Path:
+                  dtype: str = "", replace: bool = False) -> Path:
     """Write ``params`` (the flat parameters of ``mdef``, in any sharding) with ``cfg``'s
-    tokenizer and generation settings as a Hugging Face directory ``out``. Every process
-    calls it when the run spans several: each writes its own weight shards
-    (``models.save_params``), process 0 the rest.
+    tokenizer and generation settings as a Hugging Face directory ``out``, which appears
+    whole, replacing a previous export there (``models.save_params``; ``replace``: replace
+    anything there). Every process calls it when the run spans several: each writes its
+    own weight shards, process 0 the rest.
 
     Returns:
       ``out`` as a ``Path``.
@@ -71,6 +76,8 @@ def export_params(cfg, mdef: state.ModelDef, params: state.Params, out, *,
       models.CheckpointError: a model no Hugging Face architecture expresses (e.g. a
         final-logit soft-cap).
       FileNotFoundError: the run's tokenizer directory has no ``tokenizer.json``.
+      FileExistsError: ``out`` holds something other than a previous export and
+        ``replace`` is not set.
     """
     out = Path(out)
     spec = cfg.tokenizer or cfg.model.hf_checkpoint
@@ -78,18 +85,34 @@ def export_params(cfg, mdef: state.ModelDef, params: state.Params, out, *,
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.im_end_id,
            "pad_token_id": tokenizer.eos_id}
     by_path = {p: params[state.param_key(p)] for p in mdef.paths}
-    models.save_params(by_path, mdef.cfg, out, dtype=dtype or None, metadata=ids)
-    if jax.process_index() == 0:
-        save_tokenizer(spec, out, system=cfg.data.system_prompt)
+
+    def add_files(directory: Path) -> None:
+        save_tokenizer(spec, directory, system=cfg.data.system_prompt)
         text = json.dumps(generation_config(cfg, tokenizer), indent=2)
-        (out / "generation_config.json").write_text(text + "\n")
+        (directory / "generation_config.json").write_text(text + "\n")
+
+    models.save_params(by_path, mdef.cfg, out, dtype=dtype or None, metadata=ids,
+                       replace=replace, add_files=add_files)
     return out
+
+
+def check_destination(cfg) -> None:
+    """The trainer's check before a run starts: ``export.hf_dir``, if set, may be written
+    at its end (``models.check_export_destination``), so that a run does not train for
+    hours to fail there.
+
+    Raises:
+      FileExistsError: see ``models.check_export_destination``.
+    """
+    if cfg.export.hf_dir:
+        models.check_export_destination(cfg.export.hf_dir, replace=cfg.export.replace)
 
 
 def at_end(cfg, s: setup.Setup, params: state.Params) -> None:
     """The trainer's hook when a run ends: ``export_params`` to ``export.hf_dir`` if set."""
     if cfg.export.hf_dir:
-        out = export_params(cfg, s.mdef, params, cfg.export.hf_dir, dtype=cfg.export.dtype)
+        out = export_params(cfg, s.mdef, params, cfg.export.hf_dir, dtype=cfg.export.dtype,
+                            replace=cfg.export.replace)
         if s.writer.enabled:
             print(f"exported the final policy to {out}", flush=True)
 
@@ -108,7 +131,7 @@ def latest_stage(run: Path) -> str:
 
 
 def export_run(run, out, *, step: int | None = None, stage: str | None = None,
-               dtype: str = "") -> Path:
+               dtype: str = "", replace: bool = False) -> Path:
     """``python -m train.export``: the parameters of checkpoint ``step`` (default: the
     latest) of ``stage`` (default: ``latest_stage``) of the run directory ``run``, restored
     whole on this process's first device, written by ``export_params``.
@@ -116,9 +139,13 @@ def export_run(run, out, *, step: int | None = None, stage: str | None = None,
     Raises:
       FileNotFoundError: ``run`` is no run directory (no ``config.json``) or has no
         checkpoint of that stage; a ``step`` it does not hold (its steps listed).
-      models.CheckpointError: see ``export_params``.
+      models.CheckpointError, FileExistsError: see ``export_params``.
+      ValueError: ``out`` is ``run`` or holds it.
     """
     run = Path(run)
+    if run.resolve().is_relative_to(Path(out).resolve()):
+        raise ValueError(f"--out={out} is or holds the run directory {run}, which the "
+                         "export would replace; choose a directory beside it")
     cfg = resume.saved_config(run)
     stage = stage or latest_stage(run)
     ckpt = require_checkpoint(run / stage)
@@ -134,7 +161,7 @@ def export_run(run, out, *, step: int | None = None, stage: str | None = None,
         params = ckpt.restore({"params": abstract}, step)[0]["params"]
     finally:
         ckpt.close()
-    return export_params(cfg, mdef, params, out, dtype=dtype)
+    return export_params(cfg, mdef, params, out, dtype=dtype, replace=replace)
 
 
 def main(argv):
@@ -143,8 +170,8 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax's INFO lines
     try:
         out = export_run(_RUN.value, _OUT.value, step=_STEP.value, stage=_STAGE.value,
-                         dtype=_DTYPE.value)
-    except (FileNotFoundError, ValueError) as err:  # CheckpointError is a ValueError
+                         dtype=_DTYPE.value, replace=_REPLACE.value)
+    except (FileNotFoundError, FileExistsError, ValueError) as err:  # CheckpointError: a ValueError
         raise SystemExit(f"error: {err}") from None
     print(f"wrote {out}")
 

@@ -127,7 +127,8 @@ def train_grpo(cfg, s: setup.Setup, start_params: Params,
 def train(cfg, config_file: str | None = None) -> None:
     """``python -m train.grpo``: warm start, evaluation, GRPO, evaluation, report."""
     t_start = time.perf_counter()
-    s = setup.start(cfg, checks=(updates.loss_config, updates.Schedule.from_config))
+    s = setup.start(cfg, checks=(updates.loss_config, updates.Schedule.from_config,
+                                 export.check_destination))
     if s.writer.enabled:
         print(setup.banner(cfg, s, "train.grpo", config_file), flush=True)
     if cfg.sft.steps > 0 and not cfg.init.sft_checkpoint:

@@ -136,9 +136,10 @@ def start(cfg, checks=()) -> Setup:
        changes the results is one ``error:`` line each and exit status 2; more steps and
        how the run is carried out are listed and allowed;
     4. ``checks`` (callables of ``cfg`` that raise ``ValueError`` on a bad value of the
-       entry point's own keys), then ``build``: what they find wrong (a mesh that does not
-       fit the devices, an eval set the task cannot fill, ...) is one ``error: ...`` line
-       and exit status 1.
+       entry point's own keys, ``FileExistsError`` on a directory it would not
+       overwrite), then ``build``: what they find wrong (a mesh that does not fit the
+       devices, an eval set the task cannot fill, ...) is one ``error: ...`` line and exit
+       status 1.
 
     Nothing is written to the run directory before step 4 succeeds, when its
     ``config.json`` records the config.
@@ -159,7 +160,7 @@ def start(cfg, checks=()) -> Setup:
         for check in checks:
             check(cfg)
         s = build(cfg)
-    except (ValueError, FileNotFoundError) as err:  # models.CheckpointError is a ValueError
+    except (ValueError, FileNotFoundError, FileExistsError) as err:  # CheckpointError too
         _exit(1, [str(err)])
     if lead:
         resume.save(cfg, workdir)

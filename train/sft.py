@@ -83,7 +83,7 @@ def train(cfg, config_file: str | None = None) -> None:
         d.COUNT.require("sft.steps", cfg.sft.steps)
     except ValueError as err:
         raise app.UsageError(f"{err} (train.sft runs the SFT stage alone)") from err
-    s = setup.start(cfg)
+    s = setup.start(cfg, checks=(export.check_destination,))
     if s.writer.enabled:
         print(setup.banner(cfg, s, "train.sft", config_file), flush=True)
     export.at_end(cfg, s, run_sft(cfg, s))  # export.hf_dir

@@ -15,14 +15,17 @@ import jax
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
 
 from models import get_config, hf, load_model, make_mesh, save_model, save_params
 from tests.support.models import random_model
 
 #: Checkpoint name -> (preset, scan_layers, max_shard_bytes): MoE and dense (tied), each
-#: unrolled and stacked; one written as several files with an index.
+#: unrolled and stacked; one written as several files with an index; one MoE with its
+#: experts fused as transformers 5 holds them (``FUSED``).
 CHECKPOINTS = {
     "moe": ("tiny-moe", False, 5 * 2**30),
+    "moe-fused": ("tiny-moe", False, 5 * 2**30),
     "moe-scan": ("tiny-moe", True, 60_000),
     "dense": ("tiny", False, 5 * 2**30),
     "dense-scan": ("tiny", True, 5 * 2**30),
@@ -37,6 +40,7 @@ MESHES = (({"fsdp": 2, "expert": 4}, None), ({"fsdp": 2, "tensor": 4}, ODD_RULES
 #: The mesh of the two-process case (2 processes x 2 devices).
 TWO_PROCESS_MESH = {"fsdp": 2, "expert": 2}
 TWO_PROCESS_CHECKPOINT = "moe-scan"
+FUSED = "moe-fused"
 
 
 def model_config(name: str, param_dtype: str = "float32"):
@@ -46,10 +50,22 @@ def model_config(name: str, param_dtype: str = "float32"):
 
 def write_checkpoints(root) -> None:
     """Every ``CHECKPOINTS`` entry as ``root/<name>``: a random float32 model saved by
-    ``models.save_model``."""
+    ``models.save_model``, ``FUSED``'s experts then rewritten as ``experts.gate_up_proj``
+    ``[E, 2I, H]`` and ``experts.down_proj`` ``[E, H, I]``."""
     for name, (_, _, shard_bytes) in CHECKPOINTS.items():
         save_model(random_model(model_config(name), seed=11), Path(root) / name,
                    max_shard_bytes=shard_bytes)
+    file = Path(root) / FUSED / "model.safetensors"
+    tensors, cfg = load_file(file), model_config(FUSED)
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}.mlp.experts."
+        stack = {proj: np.stack([tensors.pop(f"{pre}{e}.{proj}.weight")
+                                 for e in range(cfg.num_experts)])
+                 for proj in ("gate_proj", "up_proj", "down_proj")}
+        tensors[f"{pre}gate_up_proj"] = np.concatenate([stack["gate_proj"], stack["up_proj"]],
+                                                       axis=1)
+        tensors[f"{pre}down_proj"] = stack["down_proj"]
+    save_file(tensors, file, {"format": "pt"})
 
 
 class ReadLog:

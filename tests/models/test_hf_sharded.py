@@ -1,7 +1,8 @@
 """Sharded HF checkpoint import (``models.load_params`` on a mesh): every process reads
 only the file slices its devices hold, and the arrays equal the whole-file load bit for bit
-(8 devices in one process: MoE and dense, unrolled and stacked layers, default and odd
-rules, float32 and bfloat16 parameters; 2 processes x 2 devices through the trainer's
+(8 devices in one process: MoE and dense, unrolled and stacked layers, the MoE's experts
+also fused as transformers 5 holds them, default and odd rules, float32 and bfloat16
+parameters; 2 processes x 2 devices through the trainer's
 ``train.state.load_hf``). The export back from those 2 processes (``models.save_params``):
 each writes its own shards, moving one layer at a time, and the files equal the original
 ones."""
@@ -62,7 +63,7 @@ def checkpoints(tmp_path_factory):
 def test_sharded_load_equals_whole_file_load_on_8_devices(checkpoints):
     out = run_case("tests.models.checkpoint_cases:single_process_case", devices=8,
                    CHECKPOINTS=checkpoints)
-    assert len(out) == 16
+    assert len(out) == 20
     for name, r in out.items():
         assert r["mismatched"] == [], name
         if "bytes_read" in r:

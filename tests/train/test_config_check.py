@@ -63,7 +63,8 @@ BAD = {
 #: Keys every value of whose type is valid (the config's types are enforced on assignment).
 ANY_VALUE = {"data.system_prompt", "model.remat", "data.prefill_answer_tag",
              "data.stop_at_close_tag", "train.skip_unkept", "eval.before_after",
-             "metrics.tensorboard", "distributed.enabled", "export.hf_dir"}
+             "metrics.tensorboard", "distributed.enabled", "export.hf_dir",
+             "export.replace"}
 
 
 def _set(cfg, key: str, value) -> None:

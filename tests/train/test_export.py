@@ -128,3 +128,33 @@ def test_errors_name_the_run_and_the_model(tmp_path):
     cfg = resume.saved_config(run)
     with pytest.raises(ValueError, match="no final-logit soft-cap"):
         export.export_params(cfg, mdef, state.params_of(capped), tmp_path / "capped")
+
+
+def test_a_directory_holding_something_else_is_refused_before_the_run(tmp_path):
+    """``train.export`` and the trainer's ``export.hf_dir`` write a directory only when it
+    is missing, empty or a previous export, else ask for ``--replace`` /
+    ``export.replace``; the trainer checks before the run starts, not after it trained.
+
+    Source: issue 42, item 1 (an export replaces its directory whole, so one pointed at a
+    run directory or a base checkpoint must be refused, not merged into)."""
+    run, _ = write_run(tmp_path, "llama")
+    out = export.export_run(run, tmp_path / "hf")
+    export.export_run(run, out, dtype="bfloat16")  # a previous export: replaced
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    with pytest.raises(FileExistsError, match=r"'.*/tokenizer' is not empty and holds no "
+                                              r"previous export.*'tokenizer\.json'"):
+        export.export_run(run, tmp_path / "tokenizer")
+    with pytest.raises(ValueError, match=r"is or holds the run directory"):
+        export.export_run(run, tmp_path, replace=True)  # the checkpoint it reads
+    cfg = resume.saved_config(run)
+    cfg.export.hf_dir = str(run)
+    with pytest.raises(FileExistsError, match=r"'.*/llama' is not empty.*'config\.json', "
+                                              r"'grpo'.*export.replace=True"):
+        export.check_destination(cfg)
+    cfg.export.replace = True
+    export.check_destination(cfg)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    export.export_run(run, tmp_path / "mine", replace=True)
+    assert not (tmp_path / "mine" / "notes.txt").exists()
+    assert (tmp_path / "mine" / "tokenizer.json").exists()
