@@ -243,6 +243,7 @@ def chat_template(chat_format: str, system: str, answer_prefix: str = "") -> str
     """
     if chat_format not in _TURNS:
         raise ValueError(f"unknown chat format {chat_format!r}; known: {sorted(_TURNS)}")
+
     def literal(text: str) -> str:  # a Jinja string literal (its escapes are JSON's)
         return json.dumps(text, ensure_ascii=False)
 
@@ -322,14 +323,17 @@ def base_chat_templates(directory) -> dict[str, str]:
     return {"default": template} if template else {}
 
 
-def _clear(out: Path, names) -> None:
-    """Remove ``names`` from ``out`` where an earlier export left them (a stale tokenizer
-    file would be read beside the new ones)."""
-    for name in names:
-        if (out / name).is_file():
+def _remove_stale(out: Path, written: list[str]) -> None:
+    """Remove the tokenizer and chat-template files an earlier export left in ``out`` that
+    are not in ``written`` (transformers would read them beside the new ones: a stale
+    ``additional_chat_templates/`` file as a named template)."""
+    templates = out / CHAT_TEMPLATE_DIR
+    found = [f"{CHAT_TEMPLATE_DIR}/{p.name}" for p in templates.glob("*.jinja")]
+    for name in [*TOKENIZER_FILES, *found]:
+        if name not in written and (out / name).is_file():
             (out / name).unlink()
-    if (out / CHAT_TEMPLATE_DIR).is_dir() and not any((out / CHAT_TEMPLATE_DIR).iterdir()):
-        (out / CHAT_TEMPLATE_DIR).rmdir()
+    if templates.is_dir() and not any(templates.iterdir()):
+        templates.rmdir()
 
 
 def save_tokenizer(spec: str, out, *, system: str = "", answer_prefix: str = "") -> list[str]:
@@ -382,13 +386,10 @@ def save_tokenizer(spec: str, out, *, system: str = "", answer_prefix: str = "")
             json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     (out / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
     names.append(CHAT_TEMPLATE_FILE)
-    if base:
-        (out / CHAT_TEMPLATE_DIR).mkdir(exist_ok=True)
     for name, text in base.items():
-        file = f"{CHAT_TEMPLATE_DIR}/{BASE_TEMPLATE}" + ("" if name == "default" else f"_{name}")
-        (out / f"{file}.jinja").write_text(text, encoding="utf-8", newline="")
-        names.append(f"{file}.jinja")
-    stale = [f"{CHAT_TEMPLATE_DIR}/{p.name}" for p in (out / CHAT_TEMPLATE_DIR).glob("*.jinja")
-             ] if (out / CHAT_TEMPLATE_DIR).is_dir() else []
-    _clear(out, [n for n in (*TOKENIZER_FILES, *stale) if n not in names])
+        file = f"{CHAT_TEMPLATE_DIR}/{BASE_TEMPLATE}{'' if name == 'default' else '_' + name}.jinja"
+        (out / CHAT_TEMPLATE_DIR).mkdir(exist_ok=True)
+        (out / file).write_text(text, encoding="utf-8", newline="")
+        names.append(file)
+    _remove_stale(out, names)
     return names
