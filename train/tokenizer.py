@@ -165,8 +165,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
 #: (``tokenizer_config.json`` with its chat template replaced).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json")
-#: Where transformers (4.50 and later) reads a directory's chat templates: the default, and
-#: one ``<name>.jinja`` per named template.
+#: Where transformers reads a directory's chat templates before ``tokenizer_config.json``'s
+#: ``chat_template`` (its PR #36588): the default, and one ``<name>.jinja`` per named one.
 CHAT_TEMPLATE_FILE, CHAT_TEMPLATE_DIR = "chat_template.jinja", "additional_chat_templates"
 #: The name the base checkpoint's own chat template keeps beside the trainer's in an export.
 BASE_TEMPLATE = "base"

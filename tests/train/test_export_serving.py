@@ -73,6 +73,41 @@ def test_base_end_ids_are_kept_and_the_trainers_added(tmp_path):
         export.generation_config(cfg, tok)
 
 
+def test_config_json_holds_the_same_ids_and_a_bad_base_writes_nothing(tmp_path):
+    """``export_params`` from a checkpoint directory whose generation config lists an end
+    id of its own (as Llama 3.1's <|eom_id|>): config.json and generation_config.json both
+    hold the base's list and the trainer's ids; a base id outside the tokenizer stops the
+    export before any file is written."""
+    import tokenizers
+    from tokenizers import models as tok_models
+
+    from tests.support.models import random_model
+    from train import setup, state
+
+    words = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|eom|>", "user", "assistant"]
+    base = tmp_path / "base"
+    base.mkdir()
+    tok = tokenizers.Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(words)},
+                                                    unk_token="<|endoftext|>"))
+    tok.add_special_tokens(words[:4])
+    tok.save(str(base / "tokenizer.json"))
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 3]}))
+    cfg = run_config(tmp_path)
+    cfg.model.preset, cfg.tokenizer = "tiny", str(base)
+    model = random_model(setup.run_model_config(cfg))
+    mdef, params = state.ModelDef.of(model.cfg), state.params_of(model)
+    out = export.export_params(cfg, mdef, params, tmp_path / "hf")
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [0, 3, 2]
+    config = json.loads((out / "config.json").read_text())
+    assert {k: config[k] for k in ("eos_token_id", "pad_token_id")} == {
+        "eos_token_id": [0, 3, 2], "pad_token_id": 0}
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 99]}))
+    with pytest.raises(ValueError, match=r"token ids \[99\] are not in the vocabulary"):
+        export.export_params(cfg, mdef, params, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_top_k_off_is_off_for_the_readers_the_docs_name(tmp_path):
     """Issue #42 item 10, from vLLM issue #17553: ``top_k: 0`` in generation_config.json is
     "off" for transformers, refused by vLLM 0.8.5 ("top_k must be -1 (disable), or at least
