@@ -302,7 +302,7 @@ def base_chat_templates(directory) -> dict[str, str]:
     one used when none is named), read as transformers reads them: ``chat_template.jinja``
     and ``additional_chat_templates/<name>.jinja`` where present, else
     ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of ``{"name",
-    "template"}``). Empty when it has none."""
+    "template"}``), line ends as in the files. Empty when it has none."""
     def read(file: Path) -> str:  # line ends as they are
         with open(file, encoding="utf-8", newline="") as f:
             return f.read()

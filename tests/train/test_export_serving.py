@@ -287,6 +287,44 @@ def test_exported_chat_template_renders_the_trainers_prompts(tmp_path, bases, qu
     assert config["chat_template"] == (out / "chat_template.jinja").read_text()
 
 
+@pytest.mark.parametrize("layout", ["config-string", "config-list", "jinja-files"])
+def test_base_templates_are_read_as_transformers_reads_them(tmp_path, bases, layout):
+    """``base_chat_templates`` against transformers' own loading, for each place a checkpoint
+    keeps its templates; the export writes each unchanged, line ends included."""
+    from train.tokenizer import base_chat_templates
+
+    qwen_dir = list(bases)[1]
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "tokenizer.json").write_bytes((ROOT / qwen_dir / "tokenizer.json").read_bytes())
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}
+    tool = "{{ 'tools: ' + messages[0]['content'] }}\r\n"
+    if layout == "config-string":
+        config["chat_template"] = QWEN25_LIKE
+    elif layout == "config-list":
+        config["chat_template"] = [{"name": "default", "template": QWEN25_LIKE},
+                                   {"name": "tool_use", "template": tool}]
+    else:
+        (base / "chat_template.jinja").write_bytes(QWEN25_LIKE.replace("%}", "%}\r\n").encode())
+        (base / "additional_chat_templates").mkdir()
+        (base / "additional_chat_templates" / "tool_use.jinja").write_bytes(tool.encode())
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    found = base_chat_templates(base)
+    loaded = transformers.AutoTokenizer.from_pretrained(base).chat_template
+    lf = layout == "jinja-files"  # transformers reads files in Python's newline mode
+    as_read = {name: text.replace("\r\n", "\n") if lf else text for name, text in found.items()}
+    assert as_read == (loaded if isinstance(loaded, dict) else {"default": loaded})
+    cfg = run_config(tmp_path)
+    cfg.tokenizer = str(base)
+    out = tmp_path / "hf"
+    export.save_serving_files(cfg, out)
+    kept = {"default": "base.jinja", "tool_use": "base_tool_use.jinja"}
+    for name, text in found.items():
+        assert (out / "additional_chat_templates" / kept[name]).read_bytes() == text.encode()
+    assert set(transformers.AutoTokenizer.from_pretrained(out).chat_template) == {
+        "default", *(f"base{'' if n == 'default' else '_' + n}" for n in found)}
+
+
 def test_a_second_export_leaves_no_stale_tokenizer_file(tmp_path, bases):
     """An export into a directory that holds an earlier one (a checkpoint directory's
     template files, then the offline Qwen BPE's): nothing of the first is read beside the
