@@ -91,8 +91,8 @@ def generation_config(cfg, tokenizer) -> dict:
     file, ids = base_token_ids(base) if base is not None else (None, {})
     eos = list(ids.get("eos_token_id", []))
     eos += [i for i in tokenizer.stop_ids if i not in eos]
-    bad = [i for i in (*eos, ids.get("bos_token_id", 0), ids.get("pad_token_id", 0))
-           if not (isinstance(i, int) and 0 <= i < tokenizer.num_valid)]
+    given = [*eos, *(ids[k] for k in ("bos_token_id", "pad_token_id") if k in ids)]
+    bad = [i for i in given if not (isinstance(i, int) and 0 <= i < tokenizer.num_valid)]
     if bad:
         raise ValueError(f"{file}: token ids {bad} are not in the vocabulary of the run's "
                          f"tokenizer {tokenizer.name} ({tokenizer.num_valid} ids)")
