@@ -45,6 +45,13 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _WELL_FORMED = re.compile(r"\s*<answer>[^<]*</answer>\s*", re.DOTALL)
 
 
+def answer_prefix(prefill_answer_tag: bool) -> str:
+    """What a prompt ends with inside the opened assistant turn: ``<answer>`` with
+    ``data.prefill_answer_tag``, else nothing (``Tasks.prompt_ids``; the exported chat
+    template's generation prompt, ``train.export``)."""
+    return "<answer>" if prefill_answer_tag else ""
+
+
 def available_tasks() -> list[str]:
     """Names of every registered reasoning-gym dataset."""
     from reasoning_gym.factory import DATASETS
@@ -124,7 +131,7 @@ class Tasks:
         self.names = list(specs)
         self.specs = {name: dict(kw) for name, kw in specs.items()}
         self.tokenizer, self.max_prompt_len, self.pool_size = tokenizer, max_prompt_len, pool_size
-        self.answer_prefix = "<answer>" if prefill_answer_tag else ""
+        self.answer_prefix = answer_prefix(prefill_answer_tag)
         self.system_prompt = system_prompt
         self.close_id = tokenizer.encode("</answer>")[0] if stop_at_close_tag else None
         self._close_text = tokenizer.decode([self.close_id]) if stop_at_close_tag else ""

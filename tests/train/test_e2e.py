@@ -132,7 +132,8 @@ def test_two_grpo_steps_end_to_end(tmp_path, env):
 def check_export(run, out):
     """The run's final policy as a Hugging Face directory (``export.hf_dir``): transformers'
     logits equal ours (float32, 1e-5) and its tokenizer (the offline Qwen BPE converted)
-    encodes texts and the chat prompt as the trainer does."""
+    encodes texts and its chat template the prompt as the trainer does (the run's
+    ``<answer>`` prefill included)."""
     import numpy as np
 
     pytest.importorskip("torch")
@@ -140,6 +141,7 @@ def check_export(run, out):
     from tests.support.models import causal_inputs, hf_logits
     from train import resume, setup, state
     from train.checkpoint import require_checkpoint
+    from train.data import answer_prefix
     from train.tokenizer import load_tokenizer
 
     cfg = resume.saved_config(run)
@@ -156,7 +158,8 @@ def check_export(run, out):
     auto = transformers.AutoTokenizer.from_pretrained(out)
     chat = auto.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}],
                                     tokenize=False, add_generation_prompt=True)
-    assert auto(chat, add_special_tokens=False)["input_ids"] == prompt
+    prefill = tok.encode(answer_prefix(cfg.data.prefill_answer_tag))
+    assert prefill and auto(chat, add_special_tokens=False)["input_ids"] == prompt + prefill
     for text in ("  x = 1234567 +\n\t-89", "Ünïcödé café 日本語 🙂", "don't WE'LL"):
         assert auto(text, add_special_tokens=False)["input_ids"] == tok.encode(text), text
 
