@@ -26,7 +26,7 @@ from tqdm import tqdm
 from train.checkpoint import Checkpointer, check_resumable
 from train.data import Problem, training_seed
 from train.metrics import peak_memory_bytes
-from train.optim import frozen_prefixes, make_optimizer
+from train.optim import applied_rate, at_step, frozen_prefixes, make_optimizer
 from train.setup import Setup
 from train.state import Params
 
@@ -78,9 +78,12 @@ class Loop:
 
     Attributes:
       tx, schedule: the optimiser (``make_optimizer(stage.optim, stage.steps,
-        stage.updates_per_step)``) and its learning rate per step (every update of step
-        ``s`` applies ``schedule(s - 1)``, the ``lr`` logged), created once; the stage
-        builds its jitted step with ``tx``.
+        stage.updates_per_step)``) and its learning rate per step: before step ``s`` the
+        loop sets the rate's position to ``s`` (``train.optim.at_step``), so every update
+        of the step applies ``schedule(s - 1)`` whatever earlier updates were skipped, and
+        the ``lr`` logged is the rate the step's last applied update used, read from the
+        optimizer state (``train.optim.applied_rate``); created once; the stage builds its
+        jitted step with ``tx``.
       frozen: the stage's frozen parameter-name prefixes (``optim.frozen``).
     """
 
@@ -146,10 +149,12 @@ class Loop:
         for step in range(first, stage.steps + 1):
             drawn = [next(stream) for _ in range(stage.batch)]
             position = drawn[-1][0]
+            # the rate's schedule position is the step, whatever updates were skipped
+            opt_state = at_step(opt_state, step, stage.updates_per_step)
             params, opt_state, metrics = iteration(
                 params, opt_state, [p for _, p in drawn], jax.random.fold_in(key, step), step)
             if step % stage.log_every == 0 or step == stage.steps:
-                m = {**metrics(), "lr": float(self.schedule(step - 1)),
+                m = {**metrics(), "lr": applied_rate(opt_state),
                      "skipped_prompts": s.tasks.skipped, "peak_memory_bytes": peak_memory_bytes()}
                 s.writer.write(step, m, kind=stage.kind)
                 bar.set_postfix({k: f"{m[k]:.3f}" for k in stage.postfix})
