@@ -109,6 +109,27 @@ class Loop:
         finally:
             ckpt.close()
 
+    def _restore(self, ckpt: Checkpointer, step: int, key: jax.Array) -> tuple[dict, dict]:
+        """The items and metadata of checkpoint ``step`` to resume from.
+
+        Raises:
+          ValueError: its optimizer state has another layout than ``self.tx``'s (written
+            by a version of the trainer whose optimizer state differs): the directory,
+            the step and the way out named (its parameters still restore).
+        """
+        try:
+            return ckpt.restore({**self.s.placement.abstract_state(self.tx),
+                                 "rng": {"key": np.asarray(jax.random.key_data(key))}})
+        except ValueError as err:
+            if "structure" not in str(err).lower():
+                raise
+            raise ValueError(
+                f"{self.directory}: the optimizer state of checkpoint step {step} has another "
+                f"layout than this trainer's ({str(err).splitlines()[0][:160]}); it cannot be "
+                f"resumed: use "
+                f"another workdir, starting from its parameters with "
+                f"init.sft_checkpoint={str(self.directory)!r}") from err
+
     def run(self, start: Callable[[], Params], iteration: Iteration) -> Params:
         """Run the stage from its latest checkpoint (or from ``start()``'s parameters) to
         its last step; returns the final parameters.
@@ -119,7 +140,8 @@ class Loop:
         Raises:
           ValueError: the stage's latest checkpoint holds final parameters only (it
             finished with ``final_params_only``) but the stage has more steps now
-            (``train.checkpoint.check_resumable``; ``setup.build`` checks it first).
+            (``train.checkpoint.check_resumable``; ``setup.build`` checks it first), or
+            an optimizer state of another layout (``_restore``).
         """
         cfg, s, stage, placement = self.cfg, self.s, self.stage, self.s.placement
         done = self.finished_params()
@@ -136,8 +158,7 @@ class Loop:
             params = jax.tree.map(jnp.copy, start())  # the steps donate their params
             opt_state, position, first = placement.init_opt(self.tx, params), 0, 1
         else:
-            items, meta = ckpt.restore({**placement.abstract_state(self.tx),
-                                        "rng": {"key": np.asarray(jax.random.key_data(key))}})
+            items, meta = self._restore(ckpt, latest, key)
             params, opt_state = items["params"], items["opt_state"]
             key = jax.random.wrap_key_data(items["rng"]["key"])
             position, first = meta["data_position"], meta["step"] + 1

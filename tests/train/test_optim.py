@@ -219,3 +219,38 @@ def test_16_bit_parameters_train_on_float32_masters():
         assert moved.max() > 1e-4, k  # 300 updates at 1e-5 moved the masters
     floats = [x for x in jax.tree.leaves(masters.inner) if jnp.issubdtype(x.dtype, jnp.floating)]
     assert floats and all(x.dtype == jnp.float32 for x in floats)
+
+
+def test_a_checkpoint_of_another_optimizer_layout_is_named_not_resumed(tmp_path):
+    """A run directory whose checkpoint holds an optimizer state of another layout (one
+    written before the rate and the float32 masters joined the state, here plain AdamW's):
+    the resume stops before any step, naming the directory, the step and the way out; the
+    checkpoint is left as it was."""
+    import types
+
+    import jax
+    import optax
+
+    from train.checkpoint import Checkpointer
+    from train.loop import Loop, Stage
+
+    cfg = base_config()
+    params = {"w": jnp.ones(3)}
+    ckpt = Checkpointer(tmp_path / "grpo", 1, 2)
+    ckpt.save(2, {"params": params, "opt_state": optax.adamw(1e-3).init(params),
+                  "rng": {"key": jax.random.key_data(jax.random.key(0))}},
+              {"step": 2, "data_position": 2}, force=True)
+    ckpt.close()
+
+    def abstract_state(tx):
+        return {"params": jax.eval_shape(lambda: params),
+                "opt_state": jax.eval_shape(tx.init, params)}
+
+    s = types.SimpleNamespace(workdir=tmp_path, exclude=set(),
+                              placement=types.SimpleNamespace(abstract_state=abstract_state),
+                              writer=types.SimpleNamespace(enabled=False))
+    loop = Loop(cfg, s, Stage("grpo", 10, 1, 1, cfg.train.optim, "train"))
+    with pytest.raises(ValueError, match=r"grpo: the optimizer state of checkpoint step 2 has "
+                                         r"another layout .* init.sft_checkpoint="):
+        loop.run(lambda: params, None)
+    assert Checkpointer(tmp_path / "grpo", 1, 2).all_steps() == [2]
