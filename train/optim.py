@@ -88,9 +88,9 @@ def make_optimizer(cfg, total_steps: int, updates_per_step: int = 1
     Precision: AdamW runs in float32 whatever the parameters' dtype
     (``float32_masters``): a 16-bit (bfloat16 / float16) trainable parameter gets a
     float32 master copy in the optimizer state, its moments are float32, and its update
-    sets it to the master rounded to its dtype. In bfloat16 an update below 2^-9 of the
-    weight is lost to rounding (at lr 1e-5 a weight of 1.0 never moves), and optax keeps
-    the moments in the parameters' dtype. This is the layout of mixed-precision training
+    sets it to the master rounded to its dtype. In bfloat16 an update below half the
+    weight's spacing (2^-8 at 1.0) is lost to rounding (at lr 1e-5 a weight of 1.0 never
+    moves), and optax keeps the moments in the parameters' dtype. This is the layout of mixed-precision training
     (Micikevicius et al., "Mixed Precision Training", ICLR 2018: float32 master weights,
     16-bit compute); MaxText's default keeps the parameters themselves in float32
     (``weight_dtype``), as this trainer does (``ModelConfig.param_dtype``), where the

@@ -177,7 +177,8 @@ def _run_updates(tx, params, grads):
 def test_16_bit_parameters_train_on_float32_masters():
     """Issue 42 item 6: ``make_optimizer`` on bfloat16 parameters kept bfloat16 moments and
     applied bfloat16 updates: at lr 1e-5 a constant gradient left a weight of 1.0 at 1.0
-    after 1,000 updates (an update below 2^-9 of the weight rounds away). Now AdamW runs
+    after 1,000 updates (an update below half a bfloat16 spacing, 2^-8 at 1.0, rounds
+    away). Now AdamW runs
     on float32 masters: the bfloat16 weights are exactly the float32 run's rounded to
     bfloat16 (random weights and gradients, per-prefix multiplier, a frozen bfloat16
     parameter untouched and without a master), and the moments are float32."""
