@@ -62,6 +62,7 @@ Sources:
   loss (slime PR #657, TRL PR #3744). A rejected token that still carried the KL or the
   entropy term would be pulled towards the reference by a policy the correction has
   ruled off-policy, and a denominator counting it would shrink every kept token's weight.
+  GSPO's sequence ratio is the geometric mean over the kept tokens.
   ``seq-mean-token-sum-norm``'s denominator is the constant ``num_seqs x budget`` by
   definition (Dr. GRPO): it does not change.
 """
@@ -492,7 +493,7 @@ def grpo_loss(cfg: LossConfig, logp, old_logp, advantages, mask, seq_index, num_
         return aggregate(x, kept, seq_index, num_seqs, cfg.aggregation,
                          cfg.max_completion_len, loss_norm)
 
-    ratio = bounded_exp(_log_ratio(cfg, logp, old_logp, mask, seq_index, num_seqs))
+    ratio = bounded_exp(_log_ratio(cfg, logp, old_logp, kept, seq_index, num_seqs))
     clipped = jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     unclipped_term, clipped_term = ratio * advantages, clipped * advantages
     pg = -jnp.minimum(unclipped_term, clipped_term)

@@ -441,7 +441,16 @@ def _masked_reference64(x, seq, n, cfg, kept):
 
     def loss(lp, ent):
         a = x["adv"]
-        r = jnp.exp(lp - x["trainer"])
+        log_r = lp - x["trainer"]
+        if cfg.ratio_level == "sequence":  # GSPO-token over the kept tokens
+            s = jnp.zeros_like(lp)
+            for k in range(n):
+                on = (seq == k) & kept
+                if on.any():
+                    mean = jnp.sum(jnp.where(on, log_r, 0.0)) / on.sum()
+                    s = jnp.where(on, jax.lax.stop_gradient(mean), s)
+            log_r = lp - jax.lax.stop_gradient(lp) + s
+        r = jnp.exp(log_r)
         w = jnp.minimum(jnp.exp(x["trainer"] - x["sampler"]), cfg.tis_cap) if cfg.tis_cap else 1.0
         pg = -jnp.minimum(r * a, jnp.clip(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * a) * w
         d = x["ref"] - lp
@@ -458,12 +467,13 @@ def _masked_reference64(x, seq, n, cfg, kept):
 
 
 @pytest.mark.parametrize("aggregation", rl_loss.AGGREGATIONS)
-@pytest.mark.parametrize("tis", [False, True])
-def test_ratio_masking_leaves_rejected_tokens_out_of_every_term(aggregation, tis):
+@pytest.mark.parametrize("variant", ["token", "tis", "sequence"])
+def test_ratio_masking_leaves_rejected_tokens_out_of_every_term(aggregation, variant):
     """Ratio masking (``loss.mask_ratio_low/high``) as ``LossConfig`` documents it: a
     rejected token is "left out of the loss", in every aggregation: no surrogate, no KL and
     no entropy-bonus gradient at it, and no denominator counts it (token-mean's token
-    count, seq-mean's completions: one completion is rejected whole). Loss and both
+    count, seq-mean's completions: one completion is rejected whole), with TIS, and with
+    GSPO's sequence ratio (the geometric mean over the kept tokens). Loss and both
     gradients against the float64 definition (<= 1e-6). Issue 42 item 8, from
     slime PR #657, verl PR #3915 and TRL PR #3744 (on main the KL and entropy terms kept a
     gradient at rejected tokens and the counts included them)."""
@@ -477,8 +487,9 @@ def test_ratio_masking_leaves_rejected_tokens_out_of_every_term(aggregation, tis
     ent = jnp.asarray(rng.uniform(0.5, 3.0, seq.shape), jnp.float32)
     cfg = rl_loss.LossConfig(eps_high=0.28, beta=0.04, entropy_coef=0.01,
                              aggregation=aggregation, max_completion_len=7,
-                             tis_cap=1.5 if tis else 0.0, mask_ratio_low=0.8,
-                             mask_ratio_high=1.25)
+                             tis_cap=1.5 if variant == "tis" else 0.0, mask_ratio_low=0.8,
+                             mask_ratio_high=1.25,
+                             ratio_level="sequence" if variant == "sequence" else "token")
     s, m = np.asarray(seq), np.asarray(x["mask"]) > 0
     is_ratio = np.exp(np.asarray(x["trainer"], np.float64) - np.asarray(x["sampler"]))
     kept = m & (is_ratio >= 0.8) & (is_ratio <= 1.25)
