@@ -325,23 +325,23 @@ def _context_rows(cfg) -> list[tuple[str, str]]:
 
 
 def _updates_round_away(cfg) -> list[tuple[str, str]]:
-    """An Adam update moves a weight by about the learning rate. Below half the spacing of
-    the parameters' dtype at 1.0 (a norm scale's initial value) it rounds away: bfloat16
-    weights hold 8 significant bits (spacing 2^-7 at 1.0), so at any usual rate the norm
-    scales never move and most other weights rarely do. The stage's smallest peak rate
-    (``lr`` times the smallest ``lr_multipliers`` entry) must exceed it."""
-    spacing = float(jnp.finfo(cfg.model.param_dtype).eps)  # at 1.0
+    """An Adam update moves a weight by about the learning rate. Below half the spacing at
+    1.0 (a norm scale's initial value) of the weights the optimizer updates it rounds away.
+    Those are float32 whatever ``model.param_dtype`` (``train.optim.make_optimizer`` keeps
+    float32 masters of 16-bit parameters: bfloat16 ones, with 8 significant bits, would
+    lose any usual rate). The stage's smallest peak rate (``lr`` times the smallest
+    ``lr_multipliers`` entry) must exceed it."""
+    spacing = float(jnp.finfo(jnp.float32).eps)  # at 1.0
     out = []
     for stage in ("sft", "train"):
         optim = cfg[stage].optim
         lr = optim.lr * min([1.0, *(m for _, m in optim.lr_multipliers)])
         if cfg[stage].steps > 0 and lr < spacing / 2:
-            why = (f"{cfg.model.param_dtype} parameters round away an update of {stage}.optim."
-                   f"lr{'' if lr == optim.lr else ' x multiplier'} = {lr:g}, below half their "
-                   f"spacing at 1.0 ({spacing / 2:g}): the weights would not train; use "
-                   f"param_dtype='float32' (float32 master weights and Adam moments) with "
-                   f"model.dtype='bfloat16' (bf16 compute)")
-            out.append(("model.param_dtype", why))
+            lead = "" if lr == optim.lr else f"times the smallest multiplier ({lr:g}) "
+            why = (f"{lead}below half the spacing at 1.0 of AdamW's float32 weights "
+                   f"({spacing / 2:g}): every update rounds away and the weights would not "
+                   f"train")
+            out.append((f"{stage}.optim.lr", why))
     return out
 
 

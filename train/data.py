@@ -13,7 +13,12 @@
   sequence, as ``stop=["</answer>"]`` in serving engines), and the reply is completed
   with the rest of the tag before scoring: two more tokens saved.
 * ``reward``: the task's own ``score_answer`` on the extracted answer, plus an optional
-  format reward.
+  format reward, of the reply as the row ended (``reply``): a row the budget cut off is
+  scored on its partial text, never completed to a closed answer it did not write (in
+  the Qwen BPE ``" </"`` is one token that is not the stop id: a text ending in ``"</"``
+  says nothing of how the row ended). Serving engines report it the same way, as the
+  finish reason ``"stop"`` or ``"length"``, and strip a stop sequence only when the row
+  stopped on it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from train.tokenizer import Tokenizer
 
@@ -108,7 +113,8 @@ class Tasks:
         reply): completions then hold the answer, ``</answer>`` and the stop token.
       stop_at_close_tag: the first token of ``</answer>`` (``close_id``, ``"</"`` in the
         Qwen BPE) is a stop token too (``stop_ids``): supervised targets end with it,
-        and a reply that stops there is scored as if it went on with ``answer>``.
+        and a reply that stopped on it is scored as if it went on with ``answer>``
+        (``reply``).
       system_prompt: the ChatML system turn of every prompt; ``""`` leaves the turn out.
 
     Raises:
@@ -134,7 +140,6 @@ class Tasks:
         self.answer_prefix = answer_prefix(prefill_answer_tag)
         self.system_prompt = system_prompt
         self.close_id = tokenizer.encode("</answer>")[0] if stop_at_close_tag else None
-        self._close_text = tokenizer.decode([self.close_id]) if stop_at_close_tag else ""
         self._datasets: dict[tuple[str, int], object] = {}
         self._create = reasoning_gym.create_dataset
         self.skipped = 0
@@ -216,19 +221,53 @@ class Tasks:
             if p is not None and p.question not in exclude:
                 yield position, p
 
-    def reward(self, problem: Problem, text: str, format_weight: float = 0.0) -> float:
-        """``score_answer(extracted answer, entry)`` of the problem's task (0 when there is
-        no ``<answer>`` tag), plus ``format_weight`` if the reply is exactly one
-        well-formed ``<answer>...</answer>``.
+    def reply(self, completion: Sequence[int], stopped: bool) -> str:
+        """The reply a completion is scored as: ``answer_prefix`` and its decoded tokens.
+        A row that ``stopped`` on one of ``stop_ids`` (its last token) loses an end token
+        and has ``close_id`` completed to ``</answer>``; a row that did not stop (cut by
+        the budget) is its partial text as written.
 
         Args:
-          text: the completion (without its end token; a final ``close_id`` token kept);
-            the reply scored is ``answer_prefix + text`` (``+ "answer>"`` when it stopped
-            at the close tag).
+          completion: the sampled ids of the row, its stop token included.
+          stopped: the row ended with a stop token (``rollout.Rollout.stopped``).
+
+        Raises:
+          ValueError: ``stopped`` and the last id is none of ``stop_ids``, or not
+            ``stopped`` and it is one (the sampler stops at the first stop id it draws);
+            the ids named.
         """
-        text = self.answer_prefix + text
-        if self.close_id is not None and text.endswith(self._close_text):
-            text = text[: -len(self._close_text)] + "</answer>"
+        ids = list(completion)
+        if stopped != bool(ids and ids[-1] in self.stop_ids):
+            raise ValueError(
+                f"a completion that {'stopped' if stopped else 'did not stop'} must "
+                f"{'' if stopped else 'not '}end with one of the stop ids {self.stop_ids}; "
+                f"it ends with {ids[-1:]}")
+        close = ""
+        if stopped:
+            close = "</answer>" if ids[-1] == self.close_id else ""
+            ids = ids[:-1]
+        return self.answer_prefix + self.tokenizer.decode(ids) + close
+
+    def reward(self, problem: Problem, completion: Sequence[int], stopped: bool,
+               format_weight: float = 0.0) -> float:
+        """``score_answer(extracted answer, entry)`` of the problem's task (0 when there is
+        no closed ``<answer>`` tag) on ``reply(completion, stopped)``, plus
+        ``format_weight`` if that reply is exactly one well-formed
+        ``<answer>...</answer>``. A row cut by the budget keeps only what it wrote: with
+        ``stop_at_close_tag`` its last token may read ``"</"`` and still not be the stop
+        id (module docstring).
+
+        Args:
+          completion, stopped: as ``reply``.
+
+        Returns:
+          The reward, a finite float.
+
+        Raises:
+          ValueError: a non-finite score (task, problem and answer named), or a
+            ``completion`` that ``stopped`` without a stop id (``reply``).
+        """
+        text = self.reply(completion, stopped)
         answer = extract_answer(text)
         score = 0.0
         if answer is not None:
@@ -241,4 +280,3 @@ class Tasks:
                 f"task {problem.task!r} scored a non-finite reward {score!r} for the problem "
                 f"{_cut(problem.question)!r} with the answer {_cut(answer)!r}")
         return score
-

@@ -17,16 +17,6 @@ from train import packing, resume, rollout, setup
 from train.data import Problem, Tasks
 from train.placement import place_batch
 from train.state import Params
-from train.tokenizer import Tokenizer
-
-
-def completion_text(tok: Tokenizer, ro: rollout.Rollout, i: int) -> str:
-    """Decoded completion ``i`` without its end token (``tok.stop_ids``; another stop
-    token, e.g. the close tag's first token, is kept for ``Tasks.reward``)."""
-    ids = ro.completion(i)
-    if ro.stopped[i] and ids and ids[-1] in tok.stop_ids:
-        ids = ids[:-1]
-    return tok.decode(ids)
 
 
 @dataclasses.dataclass
@@ -98,13 +88,14 @@ def _generate_all(generate: rollout.Generator, params, prompts, key, batch: int,
 
 
 def evaluate(generate: rollout.Generator, params: Params, problems: list[Problem],
-             tasks: Tasks, tok: Tokenizer, *, temperature: float, samples: int, batch: int,
+             tasks: Tasks, *, temperature: float, samples: int, batch: int,
              key: jax.Array, format_weight: float = 0.0, progress: str | None = None
              ) -> EvalResult:
     """Sample ``samples`` completions per problem at ``temperature`` and one greedy one.
 
-    Rewards are ``tasks.reward`` (task score plus ``format_weight`` for a well-formed
-    answer); greedy correctness is a task score of 1. ``generate`` decodes (its
+    Rewards are ``tasks.reward`` of each completion as its row ended (task score plus
+    ``format_weight`` for a well-formed answer; a row cut by the budget scored on what it
+    wrote); greedy correctness is a task score of 1. ``generate`` decodes (its
     ``max_new_tokens`` and stop tokens); ``batch`` rows per call. ``progress``: the label
     of a progress bar over the generation calls (None: no bar).
     """
@@ -115,9 +106,9 @@ def evaluate(generate: rollout.Generator, params: Params, problems: list[Problem
         done = _generate_all(generate, params, prompts, key, batch, bar, temperature,
                              samples)
         greedy = _generate_all(generate, params, prompts, key, batch, bar, 0.0)
-    rewards = [tasks.reward(problems[j // samples], completion_text(tok, ro, i), format_weight)
-               for j, (ro, i) in enumerate(done)]
-    correct = [float(tasks.reward(p, completion_text(tok, ro, i)) >= 1.0)
+    rewards = [tasks.reward(problems[j // samples], ro.completion(i), bool(ro.stopped[i]),
+                            format_weight) for j, (ro, i) in enumerate(done)]
+    correct = [float(tasks.reward(p, ro.completion(i), bool(ro.stopped[i])) >= 1.0)
                for p, (ro, i) in zip(problems, greedy, strict=True)]
     return EvalResult(np.asarray(rewards, np.float64).reshape(len(problems), samples),
                       np.asarray(correct, np.float64), temperature)
@@ -190,7 +181,7 @@ def held_out(cfg, s: setup.Setup, generate: rollout.Generator, logprobs, params,
         return EvalResult.from_json(json.loads(path.read_text()))
     t0 = time.perf_counter()
     res = evaluate(
-        generate, params, s.eval_problems, s.tasks, s.tokenizer,
+        generate, params, s.eval_problems, s.tasks,
         temperature=cfg.rollout.temperature, samples=cfg.eval.samples,
         batch=cfg.eval.batch or cfg.rollout.prompts_per_step * cfg.rollout.group_size,
         key=jax.random.fold_in(jax.random.key(cfg.seed), 10**6),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from train import evaluate, rollout, setup, updates
+from train import rollout, setup, updates
 
 
 def truncation(cfg) -> rollout.Truncation:
@@ -41,14 +41,13 @@ def generator(cfg, s: setup.Setup, trunc: rollout.Truncation) -> rollout.Generat
 def score(cfg, s: setup.Setup, problems, ro: rollout.Rollout) -> tuple[np.ndarray, np.ndarray]:
     """``(rewards [P, G], correct [P, G])`` of the rollout's ``P * G`` completions (G per
     problem, in order): ``Tasks.reward`` with the format reward, and whether the task
-    score alone is 1."""
+    score alone is 1; a completion the budget cut off is scored on what it wrote."""
     g = cfg.rollout.group_size
     rewards, correct = [], []
     for i in range(len(problems) * g):
-        text = evaluate.completion_text(s.tokenizer, ro, i)
-        p = problems[i // g]
-        rewards.append(s.tasks.reward(p, text, cfg.data.format_reward))
-        correct.append(float(s.tasks.reward(p, text) >= 1.0))
+        ids, stopped, p = ro.completion(i), bool(ro.stopped[i]), problems[i // g]
+        rewards.append(s.tasks.reward(p, ids, stopped, cfg.data.format_reward))
+        correct.append(float(s.tasks.reward(p, ids, stopped) >= 1.0))
     shape = (len(problems), g)
     return np.reshape(rewards, shape), np.reshape(correct, shape)
 

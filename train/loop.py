@@ -26,7 +26,7 @@ from tqdm import tqdm
 from train.checkpoint import Checkpointer, check_resumable
 from train.data import Problem, training_seed
 from train.metrics import peak_memory_bytes
-from train.optim import frozen_prefixes, make_optimizer
+from train.optim import applied_rate, at_step, frozen_prefixes, make_optimizer
 from train.setup import Setup
 from train.state import Params
 
@@ -78,9 +78,12 @@ class Loop:
 
     Attributes:
       tx, schedule: the optimiser (``make_optimizer(stage.optim, stage.steps,
-        stage.updates_per_step)``) and its learning rate per step (every update of step
-        ``s`` applies ``schedule(s - 1)``, the ``lr`` logged), created once; the stage
-        builds its jitted step with ``tx``.
+        stage.updates_per_step)``) and its learning rate per step: before step ``s`` the
+        loop sets the rate's position to ``s`` (``train.optim.at_step``), so every update
+        of the step applies ``schedule(s - 1)`` whatever earlier updates were skipped, and
+        the ``lr`` logged is the rate the step's last applied update used, read from the
+        optimizer state (``train.optim.applied_rate``); created once; the stage builds its
+        jitted step with ``tx``.
       frozen: the stage's frozen parameter-name prefixes (``optim.frozen``).
     """
 
@@ -106,6 +109,27 @@ class Loop:
         finally:
             ckpt.close()
 
+    def _restore(self, ckpt: Checkpointer, step: int, key: jax.Array) -> tuple[dict, dict]:
+        """The items and metadata of checkpoint ``step`` to resume from.
+
+        Raises:
+          ValueError: its optimizer state has another layout than ``self.tx``'s (written
+            by a version of the trainer whose optimizer state differs): the directory,
+            the step and the way out named (its parameters still restore).
+        """
+        try:
+            return ckpt.restore({**self.s.placement.abstract_state(self.tx),
+                                 "rng": {"key": np.asarray(jax.random.key_data(key))}})
+        except ValueError as err:
+            if "structure" not in str(err).lower():
+                raise
+            raise ValueError(
+                f"{self.directory}: the optimizer state of checkpoint step {step} has another "
+                f"layout than this trainer's ({str(err).splitlines()[0][:160]}); it cannot be "
+                f"resumed: use "
+                f"another workdir, starting from its parameters with "
+                f"init.sft_checkpoint={str(self.directory)!r}") from err
+
     def run(self, start: Callable[[], Params], iteration: Iteration) -> Params:
         """Run the stage from its latest checkpoint (or from ``start()``'s parameters) to
         its last step; returns the final parameters.
@@ -116,7 +140,8 @@ class Loop:
         Raises:
           ValueError: the stage's latest checkpoint holds final parameters only (it
             finished with ``final_params_only``) but the stage has more steps now
-            (``train.checkpoint.check_resumable``; ``setup.build`` checks it first).
+            (``train.checkpoint.check_resumable``; ``setup.build`` checks it first), or
+            an optimizer state of another layout (``_restore``).
         """
         cfg, s, stage, placement = self.cfg, self.s, self.stage, self.s.placement
         done = self.finished_params()
@@ -133,8 +158,7 @@ class Loop:
             params = jax.tree.map(jnp.copy, start())  # the steps donate their params
             opt_state, position, first = placement.init_opt(self.tx, params), 0, 1
         else:
-            items, meta = ckpt.restore({**placement.abstract_state(self.tx),
-                                        "rng": {"key": np.asarray(jax.random.key_data(key))}})
+            items, meta = self._restore(ckpt, latest, key)
             params, opt_state = items["params"], items["opt_state"]
             key = jax.random.wrap_key_data(items["rng"]["key"])
             position, first = meta["data_position"], meta["step"] + 1
@@ -146,10 +170,12 @@ class Loop:
         for step in range(first, stage.steps + 1):
             drawn = [next(stream) for _ in range(stage.batch)]
             position = drawn[-1][0]
+            # the rate's schedule position is the step, whatever updates were skipped
+            opt_state = at_step(opt_state, step, stage.updates_per_step)
             params, opt_state, metrics = iteration(
                 params, opt_state, [p for _, p in drawn], jax.random.fold_in(key, step), step)
             if step % stage.log_every == 0 or step == stage.steps:
-                m = {**metrics(), "lr": float(self.schedule(step - 1)),
+                m = {**metrics(), "lr": applied_rate(opt_state),
                      "skipped_prompts": s.tasks.skipped, "peak_memory_bytes": peak_memory_bytes()}
                 s.writer.write(step, m, kind=stage.kind)
                 bar.set_postfix({k: f"{m[k]:.3f}" for k in stage.postfix})

@@ -55,6 +55,16 @@ Sources:
   its own: a mean of per-part means weighs a token by the inverse of its part's size, so
   the gradient depends on how the batch was split (verl issue #5625, torchtitan issue
   #2206). ``LossNorm`` carries the whole batch's counts.
+* Ratio masking removes a token from the whole loss: its surrogate, its KL penalty, its
+  entropy bonus and the count of every denominator (a completion whose tokens are all
+  rejected is no longer one of seq-mean's completions), as verl's rejection sampling
+  removes it from ``response_mask`` (verl PR #3915) and slime and TRL mask it out of the
+  loss (slime PR #657, TRL PR #3744). A rejected token that still carried the KL or the
+  entropy term would be pulled towards the reference by a policy the correction has
+  ruled off-policy, and a denominator counting it would shrink every kept token's weight.
+  GSPO's sequence ratio is the geometric mean over the kept tokens.
+  ``seq-mean-token-sum-norm``'s denominator is the constant ``num_seqs x budget`` by
+  definition (Dr. GRPO): it does not change.
 """
 
 from __future__ import annotations
@@ -120,12 +130,20 @@ class LossNorm(NamedTuple):
       real: its tokens that are not padding (``segment_ids > 0``: the tokens an MoE
         router counts; ``train.steps`` weighs each part's load-balancing loss by its share
         of them), or None when not given.
+      kept_tokens, kept_seqs: with ratio masking (``LossConfig.masks_ratios``), its
+        completion tokens the mask keeps and its completions with at least one of them:
+        the loss's denominators (module docstring, "Ratio masking"); ``tokens`` and
+        ``seqs`` stay the metrics' denominators. None without ratio masking. They depend
+        on the trainer's log-probs, so they are counted on the device
+        (``with_kept``).
     """
 
     tokens: jax.Array
     seqs: jax.Array
     num_seqs: jax.Array
     real: jax.Array | None = None
+    kept_tokens: jax.Array | None = None
+    kept_seqs: jax.Array | None = None
 
     @classmethod
     def of(cls, mask: np.ndarray, seq_index: np.ndarray, num_seqs: int,
@@ -135,6 +153,25 @@ class LossNorm(NamedTuple):
         real = None if segment_ids is None else np.float32(np.count_nonzero(segment_ids))
         return cls(np.float32(scored.size), np.float32(np.unique(scored).size),
                    np.float32(num_seqs), real)
+
+    def with_kept(self, kept_tokens: jax.Array, kept_seqs: jax.Array) -> LossNorm:
+        """These counts with the whole batch's ratio-masking counts (float32 scalars, the
+        sums over the parts of ``kept_counts``)."""
+        return self._replace(kept_tokens=kept_tokens, kept_seqs=kept_seqs)
+
+    def of_loss(self, masks_ratios: bool) -> LossNorm:
+        """The denominators of the loss: the kept counts with ratio masking, else these.
+
+        Raises:
+          ValueError: ratio masking without the kept counts (``with_kept``).
+        """
+        if not masks_ratios:
+            return self
+        if self.kept_tokens is None or self.kept_seqs is None:
+            raise ValueError(
+                "ratio masking on a split batch needs the whole batch's kept counts "
+                "(LossNorm.with_kept): rejected tokens are left out of its denominators")
+        return self._replace(tokens=self.kept_tokens, seqs=self.kept_seqs)
 
 
 def group_advantages(rewards: np.ndarray, kind: str = "grpo", eps: float = 1e-6,
@@ -253,9 +290,10 @@ class LossConfig(NamedTuple):
         weighted by ``min(pi_trainer / pi_sampler, tis_cap)``; 0: off (the ratio is taken
         against the sampler's log-probs, as in plain GRPO).
       mask_ratio_low, mask_ratio_high: > 0: tokens whose ``pi_trainer / pi_sampler`` is
-        below ``mask_ratio_low`` or above ``mask_ratio_high`` are left out of the loss
-        (masked importance sampling; the PPO ratio is then also taken against the trainer's
-        log-probs); 0: no bound on that side.
+        below ``mask_ratio_low`` or above ``mask_ratio_high`` are left out of the loss:
+        of its surrogate, KL penalty and entropy bonus and of every aggregation's counts
+        (masked importance sampling, module docstring "Ratio masking"; the PPO ratio is
+        then also taken against the trainer's log-probs); 0: no bound on that side.
       clip_ratio_c: > 1: dual-clip (module docstring): with ``A < 0`` a token's loss is at
         most ``-clip_ratio_c * A``; 0: off.
       ratio_level: ``"token"``: each token's own ratio (PPO, GRPO); ``"sequence"``: GSPO's
@@ -276,9 +314,14 @@ class LossConfig(NamedTuple):
     ratio_level: str = "token"
 
     @property
+    def masks_ratios(self) -> bool:
+        """Whether tokens outside a ratio band are left out of the loss."""
+        return self.mask_ratio_low > 0 or self.mask_ratio_high > 0
+
+    @property
     def corrects_mismatch(self) -> bool:
         """Whether the sampler-trainer mismatch is corrected (TIS or ratio masking)."""
-        return self.tis_cap > 0 or self.mask_ratio_low > 0 or self.mask_ratio_high > 0
+        return self.tis_cap > 0 or self.masks_ratios
 
     def check(self) -> LossConfig:
         """``self`` if its dual-clip and ratio settings are valid.
@@ -294,10 +337,11 @@ class LossConfig(NamedTuple):
 
 
 def _behaviour(cfg: LossConfig, logp, sampler_logp, trainer_logp, mask, total):
-    """``(old_logp, weight, metrics)``: the log-probs the PPO ratio is taken against, the
-    per-token weight of the surrogate (TIS cap, ratio mask) and their diagnostics."""
+    """``(old_logp, weight, kept, metrics)``: the log-probs the PPO ratio is taken against,
+    the per-token weight of the surrogate (TIS cap, ratio mask), the float mask of the
+    tokens the loss reads (``mask`` less the ratio-masked ones) and the diagnostics."""
     if not cfg.corrects_mismatch:
-        return (sampler_logp if trainer_logp is None else trainer_logp), mask, {}
+        return (sampler_logp if trainer_logp is None else trainer_logp), mask, mask, {}
     # the trainer's log-probs of the rollout policy: given, or this forward's own
     old = jax.lax.stop_gradient(logp) if trainer_logp is None else trainer_logp
     log_is = jnp.where(mask > 0, old - sampler_logp, 0.0)
@@ -314,7 +358,36 @@ def _behaviour(cfg: LossConfig, logp, sampler_logp, trainer_logp, mask, total):
         weight = weight * jnp.minimum(is_ratio, cfg.tis_cap)
         metrics["tis_capped_fraction"] = _token_mean(keep & (is_ratio > cfg.tis_cap), mask,
                                                      total)
-    return old, weight, metrics
+    return old, weight, jnp.where(keep, mask, 0.0), metrics
+
+
+def _inputs(logp, old_logp, mask, advantages=None, entropy=None, trainer_logp=None):
+    """``(logp, sampler_logp, trainer_logp, advantages, entropy)`` zeroed off the mask
+    (NaN included), the constants detached, a NaN ``trainer_logp`` replaced by ``logp``."""
+
+    def on_mask(x):
+        return None if x is None else jnp.where(mask > 0, x, 0.0)
+
+    logp = on_mask(logp)
+    if trainer_logp is not None:  # NaN: not known yet, this forward's own
+        trainer_logp = on_mask(trainer_logp)
+        trainer_logp = jax.lax.stop_gradient(
+            jnp.where(jnp.isnan(trainer_logp), logp, trainer_logp))
+    return (logp, jax.lax.stop_gradient(on_mask(old_logp)), trainer_logp,
+            on_mask(advantages), on_mask(entropy))
+
+
+def kept_counts(cfg: LossConfig, logp, old_logp, mask, seq_index, num_seqs, *,
+                trainer_logp=None) -> tuple[jax.Array, jax.Array]:
+    """``(tokens, seqs)``: the completion tokens ``grpo_loss`` keeps under ratio masking
+    and the completions with at least one of them (float32 scalars; without ratio masking
+    every completion token and every completion that has one). The arguments are
+    ``grpo_loss``'s; a split batch's ``LossNorm.with_kept`` takes the sums over its parts.
+    """
+    logp, sampler, trainer, _, _ = _inputs(logp, old_logp, mask, trainer_logp=trainer_logp)
+    kept = _behaviour(cfg, jax.lax.stop_gradient(logp), sampler, trainer, mask, None)[2]
+    _, counts = _per_sequence_sums(kept, kept, seq_index, num_seqs)
+    return kept.sum(dtype=jnp.float32), jnp.sum(counts > 0, dtype=jnp.float32)
 
 
 def _token_mean(x, mask, total=None):
@@ -354,8 +427,10 @@ def grpo_loss(cfg: LossConfig, logp, old_logp, advantages, mask, seq_index, num_
         pg = min(pg, -clip_ratio_c * A)  where A < 0   (dual-clip, when on)
         loss_t = w * pg + beta * KL_k(pi || pi_ref) - entropy_coef * entropy
 
-    aggregated by ``cfg.aggregation``. ``rho = exp(logp - a)`` (``ratio_level="token"``)
-    or GSPO-token's ``exp(logp - sg(logp) + sg(mean_{t in seq} (logp_t - a_t)))``
+    aggregated by ``cfg.aggregation`` over the completion tokens, less those ratio masking
+    rejects (module docstring, "Ratio masking": no term of a rejected token reaches the
+    loss or its gradient, and no denominator counts it). ``rho = exp(logp - a)``
+    (``ratio_level="token"``) or GSPO-token's ``exp(logp - sg(logp) + sg(mean_{t in seq} (logp_t - a_t)))``
     (``"sequence"``), each ``exp`` being ``bounded_exp`` (module docstring, "Bounded
     ratios"), against the anchor ``a``: ``trainer_logp`` if given, else the
     sampler's ``old_logp``, or with a mismatch correction (``cfg.tis_cap``,
@@ -378,9 +453,12 @@ def grpo_loss(cfg: LossConfig, logp, old_logp, advantages, mask, seq_index, num_
         detached log-prob; None: as above.
       norm: the counts of the whole batch this one is a part of (``LossNorm``): the loss
         and the mean metrics are then this part's shares, which add up over the parts.
+        With ratio masking it must carry the kept counts (``LossNorm.with_kept``).
 
     Returns:
-      ``(loss, metrics)``; metrics are float32 scalars: ``pg_loss``, ``kl``,
+      ``(loss, metrics)``; metrics are float32 scalars: ``pg_loss`` (the surrogate's
+      part of the loss), ``kl``; the token means below are over every completion token,
+      rejected ones included:
       ``clip_fraction`` (tokens whose clipped term was active), ``clip_fraction_low`` /
       ``clip_fraction_high`` (of those, ``A < 0`` with ``rho < 1 - eps_low`` / ``A > 0``
       with ``rho > 1 + eps_high``), with dual-clip ``clip_fraction_dual`` (``A < 0`` with
@@ -392,7 +470,8 @@ def grpo_loss(cfg: LossConfig, logp, old_logp, advantages, mask, seq_index, num_
 
     Raises:
       ValueError: ``beta > 0`` without ``ref_logp``; ``entropy_coef`` without ``entropy``;
-        an invalid ``cfg`` (``LossConfig.check``).
+        an invalid ``cfg`` (``LossConfig.check``); ratio masking with a ``norm`` that
+        lacks the kept counts.
     """
     cfg.check()
     if cfg.beta > 0 and ref_logp is None:
@@ -400,25 +479,21 @@ def grpo_loss(cfg: LossConfig, logp, old_logp, advantages, mask, seq_index, num_
     if cfg.entropy_coef and entropy is None:
         raise ValueError("entropy_coef != 0 needs entropy")
     total = None if norm is None else norm.tokens
-
-    def on_mask(x):
-        return None if x is None else jnp.where(mask > 0, x, 0.0)
-
-    def agg(x):
-        return aggregate(x, mask, seq_index, num_seqs, cfg.aggregation,
-                         cfg.max_completion_len, norm)
+    loss_norm = None if norm is None else norm.of_loss(cfg.masks_ratios)
 
     def mean(x):
         return _token_mean(x, mask, total)
 
-    logp, advantages, entropy = on_mask(logp), on_mask(advantages), on_mask(entropy)
-    sampler_logp = jax.lax.stop_gradient(on_mask(old_logp))
-    if trainer_logp is not None:  # NaN: not known yet, this forward's own
-        trainer_logp = on_mask(trainer_logp)
-        trainer_logp = jax.lax.stop_gradient(
-            jnp.where(jnp.isnan(trainer_logp), logp, trainer_logp))
-    old_logp, weight, metrics = _behaviour(cfg, logp, sampler_logp, trainer_logp, mask, total)
-    ratio = bounded_exp(_log_ratio(cfg, logp, old_logp, mask, seq_index, num_seqs))
+    logp, sampler_logp, trainer_logp, advantages, entropy = _inputs(
+        logp, old_logp, mask, advantages, entropy, trainer_logp)
+    old_logp, weight, kept, metrics = _behaviour(cfg, logp, sampler_logp, trainer_logp, mask,
+                                                 total)
+
+    def agg(x):  # over the tokens the loss reads: ratio-masked ones left out of every term
+        return aggregate(x, kept, seq_index, num_seqs, cfg.aggregation,
+                         cfg.max_completion_len, loss_norm)
+
+    ratio = bounded_exp(_log_ratio(cfg, logp, old_logp, kept, seq_index, num_seqs))
     clipped = jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     unclipped_term, clipped_term = ratio * advantages, clipped * advantages
     pg = -jnp.minimum(unclipped_term, clipped_term)
@@ -443,7 +518,8 @@ def grpo_loss(cfg: LossConfig, logp, old_logp, advantages, mask, seq_index, num_
         "nonfinite_ratio": _any_nonfinite(ratio, mask),
     })
     if ref_logp is not None:
-        kl = kl_estimate(logp, jax.lax.stop_gradient(on_mask(ref_logp)), cfg.kl_estimator)
+        ref_logp = jax.lax.stop_gradient(jnp.where(mask > 0, ref_logp, 0.0))
+        kl = kl_estimate(logp, ref_logp, cfg.kl_estimator)
         metrics["kl"] = mean(kl)
         if cfg.beta > 0:
             per_token = per_token + cfg.beta * kl

@@ -191,12 +191,44 @@ def _combine(total: dict, part: dict) -> dict:
             for k, v in part.items()}
 
 
-def _accumulate(loss_fn, params, batches, refs, norm, num_seqs, bucket):
+def kept_counts_fn(mdef: ModelDef, loss_cfg: rl_loss.LossConfig, temperature: float,
+                   skip: bool):
+    """``(params, batch, num_seqs, bucket) -> (tokens, seqs)``: ``rl_loss.kept_counts`` of
+    a packed batch, the tokens ratio masking keeps and the completions holding one. The
+    ratio is taken against the batch's ``trainer_logp`` where known; where not (the
+    sampler's log-probs as the old policy, or NaN entries) against a forward of ``params``
+    without gradient, the log-probs ``grpo_loss`` reads in the update."""
+
+    def forward(params, b, bucket):
+        head, _ = _policy(mdef, params, b, skip=skip, bucket=bucket, temperature=temperature,
+                          with_entropy=False)
+        return jax.lax.stop_gradient(head.logprobs)
+
+    def counts(params, b, num_seqs, bucket):
+        mask = b["loss_mask"]
+        trainer = b.get("trainer_logp")
+        if trainer is None:
+            logp = forward(params, b, bucket)
+        else:  # a forward only if some token's old log-prob is not known yet
+            missing = jnp.any((mask > 0) & jnp.isnan(trainer))
+            logp = jax.lax.cond(missing, lambda: forward(params, b, bucket),
+                                lambda: jnp.where(mask > 0, trainer, 0.0))
+        return rl_loss.kept_counts(loss_cfg, logp, b["old_logp"], mask, b["seq_index"],
+                                   num_seqs, trainer_logp=trainer)
+
+    return counts
+
+
+def _accumulate(loss_fn, params, batches, refs, norm, num_seqs, bucket, count_fn=None):
     """``(grads, metrics, logps)`` of a mini-batch given as micro-batches ``batches`` (a
     tuple of packed batches with the same shapes): their gradients summed in float32 over
     a ``lax.scan`` (one micro-batch's activations live at a time), each normalised over
     the whole mini-batch (``norm``), so the sum is the mini-batch's gradient whatever the
-    split. One micro-batch (``norm`` None: its own counts) is the plain gradient."""
+    split. One micro-batch (``norm`` None: its own counts) is the plain gradient.
+    ``count_fn`` (``kept_counts_fn``; ratio masking): the loss's denominators depend on
+    the trainer's log-probs, so with several micro-batches they are counted over all of
+    them first (``rl_loss.LossNorm.with_kept``; a forward of each micro-batch whose old
+    log-probs are not all known, ``lax.map``: one micro-batch's activations at a time)."""
     parts = len(batches)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -211,6 +243,9 @@ def _accumulate(loss_fn, params, batches, refs, norm, num_seqs, bucket):
         raise ValueError(f"{parts} micro-batches need the LossNorm of their mini-batch")
     xs = (jax.tree.map(lambda *x: jnp.stack(x), *batches),
           None if refs is None else jnp.stack(refs))
+    if count_fn is not None:
+        tokens, seqs = jax.lax.map(lambda b: count_fn(params, b, num_seqs, bucket), xs[0])
+        norm = norm.with_kept(tokens.sum(), seqs.sum())
 
     def body(carry, x):
         grads, metrics, logp = part(params, *x)
@@ -238,8 +273,10 @@ def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_los
     mini-batch whole), ``ref_logps`` the reference's log-probs of each (or None without
     the KL penalty), ``norm`` the ``rl_loss.LossNorm`` of the mini-batch (None: one
     micro-batch, its own counts): the gradient and the metrics are the mini-batch's,
-    whatever the split (``_accumulate``). Several micro-batches without ``norm`` raise
-    ``ValueError`` (each would be normalised by its own counts).
+    whatever the split (``_accumulate``; with ratio masking, whose denominators count the
+    kept tokens, after a forward of each micro-batch whose old log-probs are not known).
+    Several micro-batches without ``norm`` raise ``ValueError`` (each would be normalised
+    by its own counts).
 
     Besides ``grpo_loss``'s metrics: ``loss``, ``grad_norm``, the sampler-vs-trainer
     log-prob gap on the completion tokens before the update (``logprob_diff_mean``,
@@ -250,10 +287,12 @@ def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_los
     its out-shardings under its mesh; None or one device: plain ``jax.jit``.
     """
     loss_fn = grpo_loss_fn(mdef, loss_cfg, temperature, skip, frozen)
+    count_fn = (kept_counts_fn(mdef, loss_cfg, temperature, skip) if loss_cfg.masks_ratios
+                else None)
 
     def step(params, opt_state, batches, ref_logps, num_seqs, bucket, norm=None):
         grads, metrics, logps = _accumulate(loss_fn, params, batches, ref_logps, norm,
-                                            num_seqs, bucket)
+                                            num_seqs, bucket, count_fn)
         params, opt_state, metrics = _apply(tx, params, opt_state, grads, metrics["loss"],
                                             metrics)
         return (params, opt_state, metrics) + ((logps,) if return_logp else ())

@@ -132,17 +132,26 @@ def test_resumed_stream_continues_the_sequence(tok):
 def test_reward_and_extraction(tok):
     tasks = data.Tasks(SPEC, tok, 128)
     p = tasks.eval_set(1, seed=3)[0]
+
+    def reward(t, problem, text, **kw):  # a row that stopped on <|im_end|>
+        return t.reward(problem, tok.encode(text) + [tok.im_end_id], True, **kw)
+
     right = f"<answer>{p.answer}</answer>"
-    assert tasks.reward(p, right) == 1.0
-    assert tasks.reward(p, "the answer is " + p.answer) == 0.0  # no tag, no reward
-    assert tasks.reward(p, right, format_weight=0.1) == pytest.approx(1.1)
-    assert tasks.reward(p, "x <answer>1000</answer> <answer>" + p.answer + "</answer>") == 1.0
+    assert reward(tasks, p, right) == 1.0
+    assert reward(tasks, p, "the answer is " + p.answer) == 0.0  # no tag, no reward
+    assert reward(tasks, p, right, format_weight=0.1) == pytest.approx(1.1)
+    assert reward(tasks, p, "x <answer>1000</answer> <answer>" + p.answer + "</answer>") == 1.0
     assert data.extract_answer("<answer> 7 </answer>") == "7"
     prefilled = data.Tasks(SPEC, tok, 128, prefill_answer_tag=True)
     q = prefilled.eval_set(1, seed=3)[0]
     assert tok.decode(q.prompt).endswith("assistant\n<answer>")
-    target = tok.decode(prefilled.target_ids(q.answer)[:-1])
-    assert prefilled.reward(q, target) == 1.0
+    assert prefilled.reward(q, prefilled.target_ids(q.answer), True) == 1.0
+    with pytest.raises(ValueError, match=r"that stopped must end with one of the stop ids "
+                                         r".* it ends with \[16\]"):
+        tasks.reward(p, tok.encode("1"), True)
+    with pytest.raises(ValueError, match=r"did not stop must not end with one of the stop "
+                                         rf"ids .* it ends with \[{tok.im_end_id}\]"):
+        tasks.reward(p, [16, tok.im_end_id], False)
 
 
 def test_stop_at_close_tag(tok):
@@ -154,9 +163,34 @@ def test_stop_at_close_tag(tok):
     assert target[-1] == close and close not in target[:-1]
     assert tok.decode(target) == q.answer + tok.decode([close])
     # a reply that stopped at the close tag is scored as a closed tag, with format reward
-    assert tasks.reward(q, tok.decode(target), format_weight=0.5) == 1.5
-    assert tasks.reward(q, q.answer + "</answer>") == 1.0
-    assert tasks.reward(q, q.answer) == 0.0  # never closed: no answer
+    assert tasks.reward(q, target, True, format_weight=0.5) == 1.5
+    assert tasks.reply(target, True) == f"<answer>{q.answer}</answer>"
+    closed = tok.encode(q.answer + "</answer>") + [tok.im_end_id]
+    assert tasks.reward(q, closed, True) == 1.0
+    assert tasks.reward(q, closed[:-1], False) == 1.0  # cut after writing the whole tag
+    assert tasks.reward(q, tok.encode(q.answer), False) == 0.0  # never closed: no answer
+
+
+@pytest.mark.parametrize("reply", ["-4 </", "-4></", "-4)</"])
+def test_a_completion_cut_by_the_budget_is_never_completed(tok, reply):
+    """Issue 42 item 7 (the truncation reports of other RL stacks: a row the length budget
+    cut off rewarded as if it had finished): with ``data.stop_at_close_tag`` a completion
+    whose text ended in ``"</"`` was completed to ``</answer>`` from its text alone. In
+    the Qwen BPE ``" </"`` (id 690) is one token and not the stop id, so ``"-4" + " </"``
+    cut by the budget scored 1.1 (full reward plus format) on a chain_sum problem whose
+    answer is -4, and ``"></"`` / ``")</"`` 0.767. Now a row that did not stop is scored on
+    what it wrote: no closed answer, 0; the answer followed by the close tag's own token
+    (the stop id) is completed and scored 1.1."""
+    tasks = data.Tasks({"chain_sum": {}}, tok, 256, prefill_answer_tag=True,
+                       stop_at_close_tag=True)
+    q = next(p for p in tasks.eval_set(300, seed=3) if p.answer == "-4")
+    ids = tok.encode(reply)
+    assert ids[-1] not in tasks.stop_ids and tok.decode(ids).endswith("</")
+    assert reply != "-4 </" or ids[-1] == 690
+    assert tasks.reward(q, ids, False, format_weight=0.1) == 0.0
+    assert tasks.reply(ids, False) == "<answer>" + reply
+    stopped = tok.encode("-4") + [tasks.close_id]
+    assert tasks.reward(q, stopped, True, format_weight=0.1) == pytest.approx(1.1)
 
 
 def test_metrics_writer_never_duplicates_and_drops_partial_lines(tmp_path):

@@ -144,4 +144,4 @@ def test_a_non_finite_reward_names_the_task_and_the_problem(run, monkeypatch):
     monkeypatch.setattr(type(ds), "score_answer", lambda self, answer, entry: float("nan"))
     with pytest.raises(ValueError, match=r"task 'chain_sum' scored a non-finite reward nan "
                                          r"for the problem '.*' with the answer '7'"):
-        s.tasks.reward(p, "7</answer>")  # after the prompt's "<answer>"
+        s.tasks.reward(p, s.tokenizer.encode("7</answer>"), False)  # after "<answer>"

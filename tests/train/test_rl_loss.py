@@ -157,8 +157,9 @@ def test_kl_estimators_as_accurate_as_float32_allows(gap):
 
 def test_truncated_importance_sampling_and_ratio_masking():
     """With ``tis_cap`` the PPO ratio is 1 at the trainer's own log-probs and each token
-    weighs ``min(pi / pi_sampler, cap)``; with a ratio band, tokens outside it are dropped;
-    the gradient equals the hand-written weighted policy gradient."""
+    weighs ``min(pi / pi_sampler, cap)``; with a ratio band, tokens outside it are dropped
+    (from the token-mean's count too); the gradient equals the hand-written weighted policy
+    gradient."""
     rng = np.random.default_rng(5)
     logp = jnp.asarray(-rng.random((2, 6)) * 3, jnp.float32)
     sampler = logp + jnp.asarray(rng.normal(0, 0.8, (2, 6)), jnp.float32)
@@ -181,9 +182,10 @@ def test_truncated_importance_sampling_and_ratio_masking():
             return rl_loss.grpo_loss(cfg, lp, sampler, adv, mask, seq, 2)
 
         (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(logp)
-        want = -(weight * np.asarray(adv)).sum() / m.sum()  # ratio 1: pg = -A w
+        kept = (m & ~masked).sum()
+        want = -(weight * np.asarray(adv)).sum() / kept  # ratio 1: pg = -A w
         assert abs(float(value) - want) < 1e-5
-        np.testing.assert_allclose(grad, -weight * np.asarray(adv) / m.sum(), atol=1e-6)
+        np.testing.assert_allclose(grad, -weight * np.asarray(adv) / kept, atol=1e-6)
         assert abs(float(metrics["ratio_masked_fraction"]) - masked.sum() / m.sum()) < 1e-6
         assert abs(float(metrics["is_ratio_mean"]) - is_ratio[m].mean()) < 1e-5
         if cfg.tis_cap:
@@ -223,11 +225,15 @@ SPLIT_CONFIGS = [
                        max_completion_len=7, **extra)
     for mode in rl_loss.AGGREGATIONS
     for extra in ({}, {"tis_cap": 1.5, "mask_ratio_high": 4.0, "clip_ratio_c": 3.0},
-                  {"ratio_level": "sequence"})]
+                  {"ratio_level": "sequence"}, {"mask_ratio_low": 0.92, "mask_ratio_high": 1.08})]
 
 
-@pytest.mark.parametrize("cfg", SPLIT_CONFIGS, ids=lambda c: f"{c.aggregation}-"
-                         f"{'tis-dual' if c.tis_cap else c.ratio_level}")
+def _split_id(c):
+    kind = "tis-dual" if c.tis_cap else "ratio-mask" if c.masks_ratios else c.ratio_level
+    return f"{c.aggregation}-{kind}"
+
+
+@pytest.mark.parametrize("cfg", SPLIT_CONFIGS, ids=_split_id)
 def test_split_batch_gives_the_whole_batch_loss_and_gradient(cfg):
     """A batch split by rows into 2 or 3 parts of unequal token counts, each normalised by
     the whole batch's counts (``LossNorm``): the parts' losses, gradients and mean metrics
@@ -245,6 +251,9 @@ def test_split_batch_gives_the_whole_batch_loss_and_gradient(cfg):
     grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
     (whole, m_whole), g_whole = grad(x["logp"], jnp.ones(6), None)
     norm = rl_loss.LossNorm.of(np.asarray(x["mask"]), np.asarray(seq), n)
+    if cfg.masks_ratios:  # the kept counts, from the trainer's log-probs
+        norm = norm.with_kept(*rl_loss.kept_counts(cfg, x["logp"], x["sampler"], x["mask"],
+                                                   seq, n, trainer_logp=x["trainer"]))
     for cuts in ((0, 2, 6), (0, 1, 3, 6)):
         rows = [jnp.asarray((np.arange(6) >= a) & (np.arange(6) < b), jnp.float32)
                 for a, b in itertools.pairwise(cuts)]
@@ -423,3 +432,114 @@ def test_k3_gradient_is_the_reverse_kl_gradient():
     np.testing.assert_allclose(expected_grad("k3"), reverse, atol=1e-6)
     np.testing.assert_allclose(expected_grad("k2"), forward, atol=1e-6)
     assert np.linalg.norm(reverse - forward) > 0.05  # the two differ on this case
+
+
+def _masked_reference64(x, seq, n, cfg, kept):
+    """float64 loss with ratio masking written from its definition: every term (surrogate,
+    KL, entropy bonus) and every count of the aggregation over the ``kept`` tokens only;
+    differentiable in ``(logp, entropy)``."""
+
+    def loss(lp, ent):
+        a = x["adv"]
+        log_r = lp - x["trainer"]
+        if cfg.ratio_level == "sequence":  # GSPO-token over the kept tokens
+            s = jnp.zeros_like(lp)
+            for k in range(n):
+                on = (seq == k) & kept
+                if on.any():
+                    mean = jnp.sum(jnp.where(on, log_r, 0.0)) / on.sum()
+                    s = jnp.where(on, jax.lax.stop_gradient(mean), s)
+            log_r = lp - jax.lax.stop_gradient(lp) + s
+        r = jnp.exp(log_r)
+        w = jnp.minimum(jnp.exp(x["trainer"] - x["sampler"]), cfg.tis_cap) if cfg.tis_cap else 1.0
+        pg = -jnp.minimum(r * a, jnp.clip(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * a) * w
+        d = x["ref"] - lp
+        t = pg + cfg.beta * (jnp.exp(d) - d - 1) - cfg.entropy_coef * ent
+        t = jnp.where(kept, t, 0.0)
+        if cfg.aggregation == "token-mean":
+            return t.sum() / kept.sum()
+        if cfg.aggregation == "seq-mean-token-sum-norm":
+            return t.sum() / (n * cfg.max_completion_len)
+        present = [k for k in range(n) if kept[seq == k].any()]
+        return sum(t[seq == k].sum() / kept[seq == k].sum() for k in present) / len(present)
+
+    return loss
+
+
+@pytest.mark.parametrize("aggregation", rl_loss.AGGREGATIONS)
+@pytest.mark.parametrize("variant", ["token", "tis", "sequence"])
+def test_ratio_masking_leaves_rejected_tokens_out_of_every_term(aggregation, variant):
+    """Ratio masking (``loss.mask_ratio_low/high``) as ``LossConfig`` documents it: a
+    rejected token is "left out of the loss", in every aggregation: no surrogate, no KL and
+    no entropy-bonus gradient at it, and no denominator counts it (token-mean's token
+    count, seq-mean's completions: one completion is rejected whole), with TIS, and with
+    GSPO's sequence ratio (the geometric mean over the kept tokens). Loss and both
+    gradients against the float64 definition (<= 1e-6). Issue 42 item 8, from
+    slime PR #657, verl PR #3915 and TRL PR #3744 (on main the KL and entropy terms kept a
+    gradient at rejected tokens and the counts included them)."""
+    x, seq, n = _packed_batch(21)
+    x = dict(x)
+    rng = np.random.default_rng(22)
+    shift = rng.normal(0.0, 0.25, seq.shape)
+    shift[np.asarray(seq) == 0] = 1.0  # completion 0: every token above the band
+    x["trainer"] = x["sampler"] + jnp.asarray(shift, jnp.float32)
+    x["ref"] = x["sampler"] + jnp.asarray(rng.normal(0.0, 0.3, seq.shape), jnp.float32)
+    ent = jnp.asarray(rng.uniform(0.5, 3.0, seq.shape), jnp.float32)
+    cfg = rl_loss.LossConfig(eps_high=0.28, beta=0.04, entropy_coef=0.01,
+                             aggregation=aggregation, max_completion_len=7,
+                             tis_cap=1.5 if variant == "tis" else 0.0, mask_ratio_low=0.8,
+                             mask_ratio_high=1.25,
+                             ratio_level="sequence" if variant == "sequence" else "token")
+    s, m = np.asarray(seq), np.asarray(x["mask"]) > 0
+    is_ratio = np.exp(np.asarray(x["trainer"], np.float64) - np.asarray(x["sampler"]))
+    kept = m & (is_ratio >= 0.8) & (is_ratio <= 1.25)
+    assert 0 < kept.sum() < m.sum() and not kept[s == 0].any()
+
+    def loss(lp, e):
+        return rl_loss.grpo_loss(cfg, lp, x["sampler"], x["adv"], x["mask"], seq, n,
+                                 ref_logp=x["ref"], entropy=e, trainer_logp=x["trainer"])
+
+    (value, _), (g_lp, g_ent) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1),
+                                                           has_aux=True))(x["logp"], ent)
+    with jax.enable_x64(True):
+        x64 = {k: jnp.asarray(np.asarray(v, np.float64)) for k, v in x.items()}
+        want, (w_lp, w_ent) = jax.value_and_grad(
+            _masked_reference64(x64, s, n, cfg, kept), argnums=(0, 1))(
+                x64["logp"], jnp.asarray(np.asarray(ent, np.float64)))
+        want, w_lp, w_ent = float(want), np.asarray(w_lp), np.asarray(w_ent)
+    # absolute: terms of order 1 cancel to a loss of order 1e-2
+    assert abs(float(value) - want) <= 1e-6, (float(value), want)
+    for got, ref in ((g_lp, w_lp), (g_ent, w_ent)):
+        assert np.abs(np.asarray(got, np.float64) - ref).max() <= 1e-6 * np.abs(ref).max()
+        assert np.all(np.asarray(got)[~kept] == 0)  # not one term at a rejected token
+
+
+def test_the_reported_ratio_mask_case():
+    """The report's input (issue 42 item 8; slime PR #657, verl PR #3915, TRL PR #3744):
+    9 completion tokens in two completions, 2 kept by the band [0.5, 2]; the first
+    completion rejected whole. On main the KL term gave d loss / d logp up to 3e-3 at the
+    rejected tokens and the entropy bonus -1e-3 (-0.01 / 9), token-mean divided by 9 and
+    seq-mean by 2 completions. Now: no gradient at a rejected token, token-mean divides by
+    2, seq-mean by 1 completion."""
+    seq = jnp.asarray([[0, 0, 0, 0, 0, 1, 1, 1, 1]], jnp.int32)
+    mask = jnp.ones((1, 9), jnp.float32)
+    sampler = jnp.full((1, 9), -1.0, jnp.float32)
+    gap = jnp.asarray([[3.0, 3.0, 3.0, -3.0, 3.0, 3.0, 0.1, -0.2, 3.0]], jnp.float32)
+    trainer = sampler + gap  # is ratio e^gap: e^3 = 20 and e^-3 = 0.05 leave the band
+    logp, ref = trainer, trainer - 0.1
+    adv = jnp.asarray([[1.0] * 5 + [-0.5] * 4], jnp.float32)
+    ent = jnp.full((1, 9), 2.0, jnp.float32)
+    for aggregation, count in (("token-mean", 2.0), ("seq-mean-token-mean", 2.0)):
+        cfg = rl_loss.LossConfig(beta=0.04, entropy_coef=0.01, aggregation=aggregation,
+                                 mask_ratio_low=0.5, mask_ratio_high=2.0)
+        (value, _), (g_lp, g_ent) = jax.value_and_grad(
+            lambda lp, e, cfg=cfg: rl_loss.grpo_loss(cfg, lp, sampler, adv, mask, seq, 2,
+                                                     ref_logp=ref, entropy=e,
+                                                     trainer_logp=trainer),
+            argnums=(0, 1), has_aux=True)(logp, ent)
+        k3 = np.exp(-0.1) + 0.1 - 1  # every kept token: ratio 1, ref 0.1 below
+        np.testing.assert_allclose(float(value), 0.5 + 0.04 * k3 - 0.01 * 2.0, rtol=1e-6)
+        rejected = np.asarray(gap)[0] ** 2 > 1
+        assert np.all(np.asarray(g_lp)[0, rejected] == 0)
+        assert np.all(np.asarray(g_ent)[0, rejected] == 0)
+        np.testing.assert_allclose(np.asarray(g_ent)[0, ~rejected], -0.01 / count, rtol=1e-6)

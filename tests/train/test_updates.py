@@ -163,30 +163,37 @@ def _gradient_as_state():
         lambda g, state, params=None: (jax.tree.map(jnp.zeros_like, g), g))
 
 
-@pytest.mark.parametrize("aggregation", [
-    "seq-mean-token-mean",
-    *(pytest.param(a, marks=pytest.mark.slow) for a in ("token-mean",
-                                                        "seq-mean-token-sum-norm"))])
-def test_micro_batch_gradient_does_not_depend_on_the_split(tiny, aggregation):
+@pytest.mark.parametrize("aggregation, ratio_mask", [
+    ("seq-mean-token-mean", False), ("token-mean", True),
+    *(pytest.param(a, m, marks=pytest.mark.slow) for a, m in (
+        ("token-mean", False), ("seq-mean-token-sum-norm", False),
+        ("seq-mean-token-mean", True)))])
+def test_micro_batch_gradient_does_not_depend_on_the_split(tiny, aggregation, ratio_mask):
     """One packed mini-batch as 1 or 4 micro-batches (unequal token counts) through the
     model, with the KL penalty, the entropy bonus, dual-clip and TIS on: the same loss and
     metrics to <= 1e-6 and the same gradient to float32's noise, 8e-7 relative norm-wise
     (bound 2e-6; <= 1e-5 per parameter). That noise is the model's: XLA:CPU's float32
     forward of the same rows in a batch of another size differs by ~1e-6 in log-prob. The
     normalisation itself is exact to 1e-6 per element for every aggregation in
-    ``test_rl_loss.py``; the other two aggregations run here with ``-m slow``."""
+    ``test_rl_loss.py``; the other cases run here with ``-m slow``. With ``ratio_mask``
+    (a band that rejects tokens; the old log-probs of every other row not known yet, NaN:
+    the step's own forward stands for them) the denominators count the kept tokens of the
+    whole mini-batch, counted by the step before its micro-batches (issue 42 item 8)."""
     mdef, params, seqs = tiny
     ids = np.arange(24)
     rows = -(-seqs.rows_needed(ids, 32) // 4) * 4
     packed = seqs.pack(ids, 32, rows)
+    band = {"mask_ratio_low": 0.7, "mask_ratio_high": 1.4} if ratio_mask else {}
     lcfg = rl_loss.LossConfig(eps_low=0.2, eps_high=0.28, beta=0.04, entropy_coef=0.01,
                               clip_ratio_c=3.0, tis_cap=2.0, aggregation=aggregation,
-                              max_completion_len=8)
+                              max_completion_len=8, **band)
     step = steps.grpo_step(mdef, _gradient_as_state(), lcfg, temperature=1.0)
     forward = steps.reference_logprobs(mdef, temperature=1.0)
     # the old policy's log-probs away from the current ones: clipped tokens on both sides
     noise = np.random.default_rng(1).normal(0, 0.5, packed.loss_mask.shape)
     packed.values["trainer_logp"] = (packed.values["old_logp"] + noise) * packed.loss_mask
+    if ratio_mask:
+        packed.values["trainer_logp"][1::2] = np.nan
     norm = rl_loss.LossNorm.of(packed.loss_mask, packed.seq_index, packed.num_seqs)
     out = {}
     for parts in (1, 4):
@@ -209,6 +216,8 @@ def test_micro_batch_gradient_does_not_depend_on_the_split(tiny, aggregation):
         assert abs(float(m[k]) - float(m1[k])) <= 1e-6 * max(abs(float(m1[k])), 1.0), (
             k, float(m[k]), float(m1[k]))
     assert float(m1["clip_fraction"]) > 0 and float(m1["kl"]) > 0
+    if ratio_mask:
+        assert 0 < float(m1["ratio_masked_fraction"]) < 0.9
 
 
 def test_micro_batches_without_their_norm_are_refused(tiny):
