@@ -8,7 +8,7 @@
 2. Decode in chunks of steps (a ``while_loop`` that also ends when every row is done);
    each step's attention reads only the slots its row has written
    (``models.attention.paged``). A chunk's length is sized from the rows still running
-   (``next_chunk``): from ``chunk // 8`` steps, halved after a chunk in which rows
+   (``next_chunk``): from ``chunk // 16`` steps, halved after a chunk in which rows
    finished (the batch is shrinking: compact it soon), doubled after one in which none did
    (a stable tail: fewer round trips), at most ``chunk`` and never past the longest budget
    left; the length is traced, so every length runs one compiled chunk per rung. Between
@@ -242,7 +242,7 @@ class CompactEngine:
       merge: ``params -> model``.
       d: the static settings.
       chunk: the most decode steps between compactions (>= 1); chunks start at ``chunk //
-        8`` (at least 1) and adapt (``next_chunk``).
+        16`` (at least 1) and adapt (``next_chunk``).
       rung_multiple: every rung of the row ladder below its top is a multiple of it (a
         multiple of ``row_multiple``).
       row_multiple: the batch shards n: rows are split in order over them (``ceil(B /
@@ -453,7 +453,7 @@ class CompactEngine:
                 break
             rung = next(r for r in ladder if r >= max(map(len, batch)))
             left = max(int(full[r]) - length[r] for rs in batch for r in rs)
-            chunk = next_chunk(chunk, finished, max(1, self.chunk // 8), self.chunk, left)
+            chunk = next_chunk(chunk, finished, max(1, self.chunk // 16), self.chunk, left)
             need = self._pages_for_chunk(batch, length, plen, full, pages, alloc, chunk)
             if need > alloc.size:
                 grown = self._pool_size(need)
