@@ -22,12 +22,14 @@ the dense ``KVCache`` whose decode slots follow the right-padded prompt
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from models.attention.xla import chunked_attention
 from models.invariant import ROW_TILE, pad_rows
 
 #: Key positions per block.
@@ -55,7 +57,6 @@ def _attend(q: jax.Array, positions: jax.Array, live: jax.Array, ctx, fetch: Cal
 
     offsets = jnp.arange(KEY_BLOCK, dtype=jnp.int32)
 
-    @jax.checkpoint  # the backward recomputes a tile's blocks: no [Q, S] residuals
     def one_tile(args):
         q_t, pos_t, live_t, ctx_t = args
         _, kh, g, d = q_t.shape
@@ -115,7 +116,41 @@ def self_attention(q, k, v, positions, segment_ids, *, scale: float) -> jax.Arra
     are contiguous in their row with positions ``0, 1, ...`` from its first token (the
     trainer's packing and prefill; under ``jit`` the caller's precondition): a query at
     index ``t`` and position ``p`` reads the keys at indices ``t - p .. t``. Padding
-    queries (segment 0) return 0. Returns ``[B, T, N, D]`` in ``v``'s dtype."""
+    queries (segment 0) return 0. Returns ``[B, T, N, D]`` in ``v``'s dtype.
+
+    The backward pass is ``"xla_chunked"``'s (``models.attention.xla``: the same
+    attention's FlashAttention-2 backward, recomputing its tiles): the gradient of the
+    same function, to float rounding; only the forward values need to be the sampler's.
+    Differentiating the gathers instead would scatter-add into the whole key buffer for
+    every query tile and block."""
+    return _trained(q, k, v, positions, segment_ids, float(scale))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _trained(q, k, v, positions, segment_ids, scale):
+    return _packed_forward(q, k, v, positions, segment_ids, scale)
+
+
+def _trained_fwd(q, k, v, positions, segment_ids, scale):
+    out = _packed_forward(q, k, v, positions, segment_ids, scale)
+    return out, (q, k, v, positions, segment_ids)
+
+
+def _trained_bwd(scale, res, dout):
+    q, k, v, positions, segment_ids = res
+
+    def chunked(q, k, v):
+        return chunked_attention(q, k, v, positions, segment_ids, positions, segment_ids,
+                                 scale=scale)
+
+    _, vjp = jax.vjp(chunked, q, k, v)
+    return (*vjp(dout), None, None)
+
+
+_trained.defvjp(_trained_fwd, _trained_bwd)
+
+
+def _packed_forward(q, k, v, positions, segment_ids, scale):
     b, t, n, d = q.shape
     kv_heads = k.shape[2]
     flat_k, flat_v = k.reshape(b * t, kv_heads, d), v.reshape(b * t, kv_heads, d)
