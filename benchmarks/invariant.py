@@ -102,7 +102,8 @@ def attention_cost(args) -> dict:
         def f(q, k, v, impl=impl):
             return attention.self_attention(q, k, v, pos, seg, scale=d ** -0.5, impl=impl)
 
-        grad = jax.jit(jax.grad(lambda *a, f=f: f(*a).astype(jnp.float32).sum(), (0, 1, 2)))
+        grad = jax.jit(jax.value_and_grad(lambda *a, f=f: f(*a).astype(jnp.float32).sum(),
+                                          (0, 1, 2)))
         fwd = jax.jit(f)
         out[impl] = tuple(_timed(lambda fn=fn: fn(q, kk, vv), args.repeats)[0]
                           for fn in (fwd, grad))
