@@ -95,6 +95,14 @@ class ModelConfig:
     gradients (the router and its statistics are not chunked), except that with
     ``expert_capacity_factor`` the capacity is per chunk, so drops may differ.
 
+    Numerics: ``numerics`` is ``"default"`` (each op as fast as its implementation makes
+    it; a token's results move by float rounding with the batch it is computed in) or
+    ``"invariant"`` (``models.invariant``: every per-token op on row tiles of one shape,
+    ``attention_impl`` ``"invariant"``, the head's log-probs tiled alike, so the sampler's
+    log-probs of a completion equal the trainer's bit for bit; dense models on one device
+    only: MoE layers, an explicit other ``attention_impl`` and a multi-device mesh are
+    refused by name). Checked where the model is built, with the other op choices.
+
     Head: ``final_logit_softcapping`` (Gemma 2 style ``c * tanh(z / c)`` on the logits,
     forwarded to jaxhead) or None.
 
@@ -146,6 +154,7 @@ class ModelConfig:
     expert_capacity_factor: float | None = None
     expert_capacity_overflow: str = "drop"
     moe_token_chunk: int | None = None
+    numerics: str = "default"
     sharding_rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = DEFAULT_RULES
     dtype: jnp.dtype | str = "bfloat16"
     param_dtype: jnp.dtype | str = "float32"

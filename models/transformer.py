@@ -25,6 +25,8 @@ from models.cache import (
     write_tokens,
 )
 from models.config import ModelConfig
+from models.invariant import check_config as check_numerics
+from models.invariant import check_mesh, head_logprobs, row_tiled
 from models.layers import MLP, RMSNorm, embedding
 from models.lookup import embed_lookup
 from models.mesh import active_mesh, axis_size
@@ -68,6 +70,7 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, "embed", **norm)
         self.self_attn = Attention(cfg, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, "embed", **norm)
+        self.invariant = cfg.numerics == "invariant"
         if cfg.is_moe_layer(layer):
             self.mlp = MoE(cfg, rngs=rngs)
         else:
@@ -75,7 +78,11 @@ class DecoderLayer(nnx.Module):
                            param_dtype=cfg.param_dtype, rngs=rngs)
 
     def __call__(self, x, positions, segment_ids, kv=None):
-        """``x`` ``[B, T, H]`` -> ``(x, kv, RouterStats | None)``; see ``Attention``."""
+        """``x`` ``[B, T, H]`` -> ``(x, kv, RouterStats | None)``; see ``Attention``.
+        Under ``numerics="invariant"`` (a dense layer) everything but the attention runs
+        in row tiles (``models.invariant.row_tiled``)."""
+        if self.invariant:
+            return self._invariant(x, positions, segment_ids, kv)
         attn, kv = self.self_attn(self.input_layernorm(x), positions, segment_ids, kv)
         x = x + attn
         h = self.post_attention_layernorm(x)
@@ -86,13 +93,28 @@ class DecoderLayer(nnx.Module):
             out, stats = self.mlp(h), None
         return x + out, kv, stats
 
+    def _invariant(self, x, positions, segment_ids, kv):
+        attn = self.self_attn
+
+        def pre(x, p):
+            return attn.project(self.input_layernorm(x), p)
+
+        def post(x, a):
+            x = x + attn.output(a)
+            return x + self.mlp(self.post_attention_layernorm(x))
+
+        q, k, v = row_tiled(pre, x, positions)
+        out, kv = attn.attend(q, k, v, positions, segment_ids, kv)
+        return row_tiled(post, x, out), kv, None
+
 
 def check_ops(cfg: ModelConfig) -> None:
     """Check ``cfg``'s op choices against the ops, where the model is built: the
     attention and expert-dispatch names against their registries (``models.attention.api
     .REGISTRY``, ``models.moe.api.REGISTRY``), the capacity factor, overflow and token
     chunk against ``models.moe.api``'s rules (checked for a dense config too: a typo in a
-    config is an error whatever the model).
+    config is an error whatever the model), ``numerics`` and what its ``"invariant"``
+    mode cannot run (``models.invariant.check_config``).
 
     Raises:
       ValueError: the offending field and value named (with the choices for a name).
@@ -102,6 +124,7 @@ def check_ops(cfg: ModelConfig) -> None:
     check_capacity_factor(cfg.expert_capacity_factor)
     check_overflow(cfg.expert_capacity_overflow)
     check_token_chunk(cfg.moe_token_chunk)
+    check_numerics(cfg)
 
 
 def head_rows(x, mesh):
@@ -172,6 +195,7 @@ class Transformer(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, "embed", eps=cfg.rms_norm_eps, dtype=cfg.dtype,
                             param_dtype=cfg.param_dtype, rngs=rngs)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
+        self.invariant = cfg.numerics == "invariant"
         self.lm_head = jaxhead.LMHead(
             cfg.hidden_size, cfg.vocab_size, rngs=rngs, tied_embedding=tied,
             softcap=cfg.final_logit_softcapping, dtype=cfg.dtype,
@@ -230,6 +254,8 @@ class Transformer(nnx.Module):
         x = embed_lookup(self.embed_tokens.embedding[...], tokens,
                          rules=self.cfg.sharding_rules, split_tokens=cache is None)
         x = x.astype(self.cfg.dtype)
+        if self.invariant:
+            check_mesh(active_mesh())
         if cache is None:  # a row's tokens split over context, if the mesh has one
             x = context.constrain_tokens(x, active_mesh())
         if cache is None and self.cfg.scan_layers:
@@ -241,7 +267,7 @@ class Transformer(nnx.Module):
         zero = jnp.zeros((), jnp.float32)
         aux = load_balancing_loss(stats) if stats else zero
         dropped = dropped_fraction(stats, self.cfg.num_experts_per_tok) if stats else zero
-        hidden = self.norm(x)
+        hidden = row_tiled(self.norm, x) if self.invariant else self.norm(x)
         if overflow is not None:  # traced index past the cache: NaN, never a wrong value
             hidden = jnp.where(overflow, jnp.nan, hidden)
         return DecoderOutput(hidden, cache, aux, dropped)
@@ -341,6 +367,15 @@ class Transformer(nnx.Module):
           ValueError / TypeError: as ``jaxhead.token_logprobs`` and ``__call__``.
         """
         mesh = active_mesh()
+        if self.invariant:  # the sampler's tiles (models.invariant.head_logprobs)
+            if min_logit is not None:
+                raise ValueError("numerics='invariant' scores untruncated draws only; got a "
+                                 "min_logit (a truncated sampling support)")
+            out = self(tokens, positions, segment_ids)
+            head = head_logprobs(self.lm_head, out.hidden, labels, keep,
+                                 temperature=temperature, bucket=bucket,
+                                 with_entropy=with_entropy)
+            return head, out
         if mesh is None:
             out = self(tokens, positions, segment_ids)
             head = self.lm_head(out.hidden, labels, keep, temperature=temperature,

@@ -324,6 +324,28 @@ def _context_rows(cfg) -> list[tuple[str, str]]:
             for stage in ("sft", "train") if cfg.mesh.context > 1 and cfg[stage].row_len % parts]
 
 
+def _invariant_numerics(cfg) -> list[tuple[str, str]]:
+    """``model.numerics = "invariant"`` (``models.invariant``) runs untruncated draws on
+    one device, and makes the sampler's log-probs the trainer's bit for bit: an importance
+    ratio of exactly 1, so the mismatch corrections have nothing to correct."""
+    if cfg.model.overrides.get("numerics") != "invariant":
+        return []
+    mode = "model.numerics='invariant'"
+    truncation = (f"{mode} draws untruncated only (no invariant top-k / top-p / min-p "
+                  f"yet): leave rollout.{{}} at {{}}")
+    mesh = (f"{mode} runs on one device (no invariant sharded matmul or context axis "
+            f"yet): set mesh.{{}} to 1")
+    unnecessary = (f"unnecessary with {mode}: the sampler's log-probs are the trainer's "
+                   f"bit for bit (every importance ratio is exactly 1); set loss.{{}} to 0")
+    out = [(f"rollout.{key}", truncation.format(key, off))
+           for key, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))
+           if cfg.rollout[key] != off]
+    out += [(f"mesh.{axis}", mesh.format(axis)) for axis in AXES if cfg.mesh[axis] > 1]
+    out += [(f"loss.{key}", unnecessary.format(key))
+            for key in ("tis_cap", "mask_ratio_low", "mask_ratio_high") if cfg.loss[key] > 0]
+    return out
+
+
 def _updates_round_away(cfg) -> list[tuple[str, str]]:
     """An Adam update moves a weight by about the learning rate. Below half the spacing at
     1.0 (a norm scale's initial value) of the weights the optimizer updates it rounds away.
@@ -347,7 +369,8 @@ def _updates_round_away(cfg) -> list[tuple[str, str]]:
 
 #: Constraints between keys, checked once every key is in its domain.
 RELATIONS: list[d.Relation] = [_one_free_axis, _model, _task_kwargs, _tokenizer,
-                               updates.whole_groups, _context_rows, _updates_round_away]
+                               updates.whole_groups, _context_rows, _updates_round_away,
+                               _invariant_numerics]
 
 
 def base_config() -> ConfigDict:

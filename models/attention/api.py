@@ -12,6 +12,9 @@ Implementations (``REGISTRY``, in ``"auto"``'s order):
   ``key_value_seq_lengths`` and anything else as a dense ``[B, N, T, S]`` mask or bias,
   so packed segments would bring back the quadratic buffer; the Pallas kernel takes
   ``segment_ids`` directly.
+* ``"invariant"``: blocks of keys at fixed absolute positions, queries in fixed tiles
+  (``invariant.py``): a query's result does not depend on the batch or the call it is in
+  (``ModelConfig.numerics = "invariant"``, which needs it; never picked by ``"auto"``).
 * ``"dense"``: the materialised ``[B, T, S]`` mask and scores
   (``reference.py``, ``dense_attention``): the test reference.
 
@@ -56,6 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhead import dispatch
 from jaxhead.dispatch import KernelUnsupported
+from models.attention import invariant
 from models.attention.base import check_packing
 from models.attention.context import context_attention
 from models.attention.pallas_gpu import pallas_gpu_attention
@@ -119,6 +123,10 @@ def _xla_chunked(plan, q, k, v, positions, segment_ids, scale):
                              scale=scale)
 
 
+def _invariant(plan, q, k, v, positions, segment_ids, scale):
+    return invariant.self_attention(q, k, v, positions, segment_ids, scale=scale)
+
+
 def _dense(plan, q, k, v, positions, segment_ids, scale):
     return dense_attention(q, k, v, positions, segment_ids, positions, segment_ids,
                            scale=scale)
@@ -130,6 +138,7 @@ REGISTRY: dispatch.Registry[Callable] = dispatch.Registry("attention_impl", [
     _kernel_entry("splash", splash_attention, "tpu"),
     _kernel_entry("pallas_gpu", pallas_gpu_attention, "gpu"),
     dispatch.Entry("xla_chunked", _xla_chunked),
+    dispatch.Entry("invariant", _invariant, auto=False),
     dispatch.Entry("dense", _dense, auto=False),
 ])
 IMPLEMENTATIONS = REGISTRY.names
@@ -227,7 +236,9 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arr
     A one-token decode step (``T = 1``) uses the dense path: its scores are ``[B, N, 1,
     L]``, linear in the cache length, and one matmul pair beats the blockwise loop
     (docs/benchmarks.md, "Decode attention"). Prefill (``T > 1``) uses
-    ``xla_chunked``, or ``dense`` when ``impl="dense"``. The kernels never serve the cache:
+    ``xla_chunked``, or ``dense`` when ``impl="dense"``; ``impl="invariant"`` serves both
+    (``models.attention.invariant.cache_attention``: one sequence per row). The kernels
+    never serve the cache:
     their causal mask counts from index 0 of a static length, while the new tokens sit at
     the traced slot ``cache.index``.
 
@@ -245,6 +256,8 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arr
     """
     REGISTRY.check_name(impl)
     args = (q, k, v, positions, segment_ids, kv_positions, kv_segment_ids)
+    if impl == "invariant":
+        return invariant.cache_attention(*args, scale=scale)
     if impl == "dense" or q.shape[1] == 1:
         return dense_attention(*args, scale=scale)
     return chunked_attention(*args, scale=scale)

@@ -50,7 +50,8 @@ class Attention(nnx.Module):
         self.dtype, self.rope_theta, self.scale = cfg.dtype, cfg.rope_theta, d ** -0.5
         self.rope_scaling, self.qk_norm, self.qkv_bias = (cfg.rope_scaling, cfg.qk_norm,
                                                           cfg.qkv_bias)
-        self.impl, self.rules, self.heads = cfg.attention_impl, cfg.sharding_rules, (n, k)
+        self.rules, self.heads = cfg.sharding_rules, (n, k)
+        self.impl = "invariant" if cfg.numerics == "invariant" else cfg.attention_impl
         pd = cfg.param_dtype
         self.q_proj = param(rngs, (h, n, d), ("embed", "heads", "head_dim"), pd)
         self.k_proj = param(rngs, (h, k, d), ("embed", "kv_heads", "head_dim"), pd)
@@ -92,11 +93,20 @@ class Attention(nnx.Module):
           ValueError: a mesh whose tensor axis is wider than the KV heads but not a multiple
             of them, or not dividing the query heads (``kv_head_layout``).
         """
+        q, k, v = self.project(x, positions)
+        out, kv = self.attend(q, k, v, positions, segment_ids, kv)
+        return self.output(out), kv
+
+    def project(self, x: jax.Array, positions: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(q [..., N, D], k [..., K, D], v [..., K, D])`` of ``x`` ``[..., H]`` at
+        ``positions`` int ``[...]``: projections, biases, q/k norms, RoPE (compute dtype).
+        Per token: ``numerics="invariant"`` runs it in row tiles (``models.invariant``)."""
         dt = self.dtype
         x = x.astype(dt)
-        q = jnp.einsum("bth,hnd->btnd", x, self.q_proj[...].astype(dt))
-        k = jnp.einsum("bth,hkd->btkd", x, self.k_proj[...].astype(dt))
-        v = jnp.einsum("bth,hkd->btkd", x, self.v_proj[...].astype(dt))
+        q = jnp.einsum("...h,hnd->...nd", x, self.q_proj[...].astype(dt))
+        k = jnp.einsum("...h,hkd->...kd", x, self.k_proj[...].astype(dt))
+        v = jnp.einsum("...h,hkd->...kd", x, self.v_proj[...].astype(dt))
         if self.qkv_bias:
             q, k, v = (y + b[...].astype(dt) for y, b in
                        ((q, self.q_bias), (k, self.k_bias), (v, self.v_bias)))
@@ -105,6 +115,15 @@ class Attention(nnx.Module):
         scaling = None if self.rope_scaling is None else dict(self.rope_scaling)
         q = apply_rope(q, positions, self.rope_theta, scaling)
         k = apply_rope(k, positions, self.rope_theta, scaling)
+        return q, k, v
+
+    def output(self, out: jax.Array) -> jax.Array:
+        """The output projection: ``[..., N, D]`` -> ``[..., H]`` (per token)."""
+        return jnp.einsum("...nd,ndh->...h", out, self.o_proj[...].astype(self.dtype))
+
+    def attend(self, q, k, v, positions, segment_ids, kv=None):
+        """``(out [B, T, N, D], kv)``: the attention of ``project``'s ``q``, ``k``, ``v``
+        ``[B, T, ...]`` (see ``__call__``)."""
         mesh = active_mesh()
         r = 1 if mesh is None else kv_head_layout(*self.heads, mesh, self.rules)
         if isinstance(kv, PagedLayerKV):
@@ -112,7 +131,8 @@ class Attention(nnx.Module):
                                  v[:, 0])
             out = paged_attention(q[:, 0], kp, vp, kv.block_tables, kv.slots,
                                   scale=self.scale,
-                                  impl="dense" if self.impl == "dense" else "auto")
+                                  impl=self.impl if self.impl in ("dense", "invariant")
+                                  else "auto")
             kv = kv._replace(keys=kp, values=vp)
             out = out[:, None]
         elif kv is None:
@@ -124,7 +144,7 @@ class Attention(nnx.Module):
             keys, values = (_per_shard(x, r, mesh, self.rules) for x in (kv.keys, kv.values))
             out = cache_attention(q, keys, values, positions, segment_ids, kv.positions,
                                   kv.segment_ids, scale=self.scale, impl=self.impl)
-        return jnp.einsum("btnd,ndh->bth", out, self.o_proj[...].astype(dt)), kv
+        return out, kv
 
 
 def _per_shard(x: jax.Array, r: int, mesh, rules) -> jax.Array:

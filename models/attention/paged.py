@@ -6,6 +6,8 @@ Implementations (``REGISTRY``, ``"auto"`` picks ``"xla"``):
 * ``"xla"``: a ``while_loop`` over blocks of ``pages_per_block`` pages up to the longest
   row of the batch (a dynamic trip count: slots past it are never read), gathering each
   block's pages through the block table, with an online softmax in float32.
+* ``"invariant"``: ``models.attention.invariant.paged_attention`` (keys in blocks at
+  fixed positions, rows in fixed tiles: ``ModelConfig.numerics = "invariant"``).
 * ``"dense"``: every page of every row's table gathered at once, masked by the row's
   length: the test reference.
 
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxhead import dispatch
+from models.attention import invariant
 from models.mesh import BATCH_AXES
 
 #: Pages read per iteration of the ``"xla"`` loop (fewer when the table is narrower).
@@ -115,6 +118,8 @@ def xla_paged(q, k_pages, v_pages, tables, lengths, scale,
 #: ``paged_attention``'s implementations, in ``"auto"``'s order.
 REGISTRY: dispatch.Registry[Callable] = dispatch.Registry("paged_attention_impl", [
     dispatch.Entry("xla", lambda plan, *args: xla_paged(*args)),
+    dispatch.Entry("invariant", lambda plan, *args: invariant.paged_attention(*args),
+                   auto=False),
     dispatch.Entry("dense", lambda plan, *args: dense_paged(*args), auto=False),
 ])
 

@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jaxhead
+from models.invariant import head_logprobs, row_tiled
 from models.mesh import BATCH_AXES, active_mesh, present
 
 #: The engines: ``reference`` (the whole batch decodes until its longest row stops) and
@@ -127,14 +128,48 @@ def draw(model, hidden: jax.Array, key: jax.Array, step, temperature, trunc,
     """Decode step ``step``'s draw for ``hidden`` ``[R, H]``: row ``i`` is sample
     ``sample[i]`` of request ``request[i]`` (int32 ``[R]``) and draws with
     ``request_key(key, request[i], sample[i], step)``; ``step`` an int32 scalar, or ``[R]``
-    when the rows are at different steps."""
+    when the rows are at different steps.
+
+    Under ``numerics="invariant"`` (``models.invariant``) the draw runs on row tiles of one
+    shape (the same request draws the same token in any batch) and the recorded log-prob is
+    ``models.invariant.head_logprobs`` of the drawn token at the sampling temperature (1
+    when greedy): the value the trainer's forward computes for it, bit for bit.
+
+    Raises:
+      ValueError: truncated sampling under ``numerics="invariant"`` (no invariant variant).
+    """
     dtype = model.lm_head.dtype or hidden.dtype
     kw = dict(zip(Truncation._fields, trunc)) if d.truncated else {}
     keys = request_key(key, request, sample, step)
+    if model.cfg.numerics == "invariant":
+        if d.truncated:
+            raise ValueError("numerics='invariant' draws untruncated only: top_k / top_p / "
+                             "min_p have no invariant variant yet")
+        return _invariant_draw(model, hidden.astype(dtype), keys, temperature, d)
     return jaxhead.sample(hidden.astype(dtype), model.lm_head.weight(dtype),
                           keys, temperature=temperature,
                           softcap=model.lm_head.softcap, num_valid=d.num_valid,
                           weight_layout=model.lm_head.weight_layout, **kw)
+
+
+def _invariant_draw(model, hidden, keys, temperature, d: Decoding) -> jaxhead.Sample:
+    """``draw`` under ``numerics="invariant"``: tokens from row tiles, log-probs from
+    ``head_logprobs``."""
+    head = model.lm_head
+    weight = head.weight(hidden.dtype)
+
+    def tile(h, rows):
+        return jaxhead.sample(h, weight, jnp.take(keys, rows, axis=0),
+                              temperature=temperature, softcap=head.softcap,
+                              num_valid=d.num_valid, weight_layout=head.weight_layout).tokens
+
+    rows = jnp.arange(hidden.shape[0], dtype=jnp.int32)
+    tokens = row_tiled(tile, hidden, rows, lead=1)
+    t = jnp.asarray(temperature, jnp.float32)
+    logp = head_logprobs(head, hidden, tokens, None, temperature=jnp.where(t > 0, t, 1.0),
+                         with_entropy=False).logprobs
+    ninf = jnp.full(tokens.shape, -jnp.inf, jnp.float32)
+    return jaxhead.Sample(tokens, logp, ninf, jnp.zeros(tokens.shape, jnp.float32))
 
 
 def empty_record(rows: int, steps: int) -> tuple[jax.Array, ...]:

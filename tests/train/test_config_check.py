@@ -270,3 +270,21 @@ def test_the_module_raises_the_config_checks_line(key, value, call):
     # the module names the key from where it stands (an optim section: optim.decay)
     assert line[0].endswith(message.partition(" = ")[2]) and key.endswith(
         message.partition(" = ")[0]), (line, message)
+
+
+def test_the_invariant_mode_names_what_it_cannot_run_and_what_it_makes_unnecessary():
+    """``model.numerics = "invariant"`` (issue #41): truncated draws and a multi-device
+    mesh are refused by key, and the mismatch corrections are named unnecessary (every
+    importance ratio is exactly 1); the micro config in the mode checks clean."""
+    cfg = load_config(MICRO)
+    cfg.model.overrides = {**cfg.model.overrides.to_dict(), "numerics": "invariant"}
+    assert config.check(cfg) == []
+    cfg.rollout.top_p, cfg.mesh.fsdp, cfg.loss.tis_cap = 0.9, 2, 2.0
+    problems = config.check(cfg)
+    assert [p.split(":")[0] for p in problems] == [
+        "rollout.top_p = 0.9", "mesh.fsdp = 2", "loss.tis_cap = 2.0"], problems
+    assert "unnecessary" in problems[2] and "bit for bit" in problems[2]
+    cfg.model.overrides = {**cfg.model.overrides.to_dict(), "num_experts": 4,
+                           "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    assert any(p.startswith("model.overrides") and "num_experts=4" in p
+               for p in config.check(cfg))

@@ -1,0 +1,144 @@
+"""The price of ``model.numerics = "invariant"``: rollout and update CPU seconds vs the
+default numerics on one workload, and the sampler-trainer log-prob gap of each.
+
+    python benchmarks/invariant.py                   # tiny preset, bf16 compute
+    python benchmarks/invariant.py --prompts 16 --group 8 --new-tokens 32
+
+Workload: a freshly initialised ``tiny`` decoder (``models.PRESETS``) untied, ``--dtype`` compute,
+``--prompts`` prompts of 8-40 tokens, ``--group`` samples each, ``--new-tokens`` tokens
+(no stop token), the ``compact`` engine at temperature 1; then one GRPO update
+(``train.steps.grpo_step``: forward, backward, AdamW) on the rollout packed into rows of
+``--row-len`` tokens. Each is compiled by a first call, then timed over ``--repeats``
+calls (the median; process CPU seconds and wall seconds). The gap: ``|logp_trainer -
+logp_sampler|`` over the completion tokens, max and mean (the step's ``logprob_diff_*``).
+Then one layer's attention at the update's shape, ``"invariant"`` vs ``"xla_chunked"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's packages
+from harness.machine import describe
+from models import Transformer, get_config
+from models.attention import api as attention
+from train import packing, rl_loss, rollout, steps
+from train.placement import place_batch
+from train.state import ModelDef, params_of
+
+
+def _timed(fn, repeats: int) -> tuple[float, float, object]:
+    """``(median CPU s, median wall s, last result)`` of ``repeats`` calls after one."""
+    jax.block_until_ready(fn())
+    cpu, wall = [], []
+    for _ in range(repeats):
+        c, w = time.process_time(), time.perf_counter()
+        out = jax.block_until_ready(fn())
+        cpu.append(time.process_time() - c)
+        wall.append(time.perf_counter() - w)
+    return statistics.median(cpu), statistics.median(wall), out
+
+
+def measure(numerics: str, args) -> dict:
+    cfg = get_config("tiny", dtype=args.dtype, tie_word_embeddings=False, numerics=numerics)
+    mdef, params = ModelDef.of(cfg), params_of(Transformer(cfg, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, 500, int(n)).tolist()
+               for n in rng.integers(8, 41, args.prompts)]
+    gen = rollout.Generator(mdef, max_new_tokens=args.new_tokens, stop_ids=(),
+                            num_valid=500, engine="compact", page_size=16)
+
+    def sample():
+        return gen(params, prompts, jax.random.key(1), temperature=1.0,
+                   group_size=args.group)
+
+    r_cpu, r_wall, ro = _timed(sample, args.repeats)
+    comps = [ro.completion(i) for i in range(len(ro.lengths))]
+    adv = rng.normal(size=len(comps)).astype(np.float32)
+    packed = packing.pack(
+        [prompts[i // args.group] for i in range(len(comps))], comps, args.row_len,
+        row_multiple=2,
+        values={"old_logp": [ro.logprobs[i, :len(c)] for i, c in enumerate(comps)],
+                "advantages": [np.full(len(c), adv[i]) for i, c in enumerate(comps)]})
+    batch = place_batch(packed.arrays("old_logp", "advantages"))
+    tx = optax.adamw(1e-4)
+    step = steps.grpo_step(mdef, tx, rl_loss.LossConfig(), temperature=1.0)
+    opt_state = tx.init(params)
+
+    def update():  # the step donates its inputs: fresh copies each call
+        p = jax.tree.map(lambda x: x.copy(), params)
+        o = jax.tree.map(lambda x: x.copy(), opt_state)
+        return step(p, o, (batch,), None, packed.num_seqs, packed.bucket())[2]
+
+    u_cpu, u_wall, metrics = _timed(update, args.repeats)
+    return {"rollout": (r_cpu, r_wall), "update": (u_cpu, u_wall),
+            "gap": (float(metrics["logprob_diff_max"]), float(metrics["logprob_diff_mean"])),
+            "tokens": int(packed.num_kept)}
+
+
+def attention_cost(args) -> dict:
+    """CPU seconds of one layer's attention, forward and forward + backward, at the
+    update's shape (8 packed rows of ``--row-len``), ``"invariant"`` vs ``"xla_chunked"``."""
+    cfg = get_config("tiny")
+    b, t = 8, args.row_len
+    n, k, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, kk, vv = (jax.random.normal(key, (b, t, h, d), args.dtype)
+                 for key, h in zip(keys, (n, k, k)))
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    seg = jnp.ones((b, t), jnp.int32)
+    out = {}
+    for impl in ("xla_chunked", "invariant"):
+        def f(q, k, v, impl=impl):
+            return attention.self_attention(q, k, v, pos, seg, scale=d ** -0.5, impl=impl)
+
+        grad = jax.jit(jax.value_and_grad(lambda *a, f=f: f(*a).astype(jnp.float32).sum(),
+                                          (0, 1, 2)))
+        fwd = jax.jit(f)
+        out[impl] = tuple(_timed(lambda fn=fn: fn(q, kk, vv), args.repeats)[0]
+                          for fn in (fwd, grad))
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--row-len", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    rows = {n: measure(n, args) for n in ("default", "invariant")}
+    print(f"# model.numerics: tiny preset, {args.dtype} compute, {args.prompts} prompts x "
+          f"{args.group} samples x {args.new_tokens} tokens "
+          f"({rows['default']['tokens']} completion tokens); {describe()}")
+    print("| numerics | rollout CPU s (wall) | update CPU s (wall) | logprob_diff max | "
+          "mean |")
+    print("|---|---|---|---|---|")
+    for name, r in rows.items():
+        (rc, rw), (uc, uw), (gmax, gmean) = r["rollout"], r["update"], r["gap"]
+        print(f"| {name} | {rc:.3f} ({rw:.3f}) | {uc:.3f} ({uw:.3f}) | {gmax:.3g} | "
+              f"{gmean:.3g} |")
+    base, inv = rows["default"], rows["invariant"]
+    print(f"invariant / default CPU: rollout {inv['rollout'][0] / base['rollout'][0]:.2f}x, "
+          f"update {inv['update'][0] / base['update'][0]:.2f}x")
+    print(f"\n# one layer's attention, 8 rows x {args.row_len} tokens")
+    print("| attention_impl | forward CPU s | forward + backward CPU s |")
+    print("|---|---|---|")
+    for impl, (fwd, both) in attention_cost(args).items():
+        print(f"| {impl} | {fwd:.4f} | {both:.4f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""``ModelConfig.numerics = "invariant"``: the sampler's log-probs of a completion equal
+the trainer's log-probs of the same tokens bit for bit (``np.array_equal``), in float32
+and bf16, with both rollout engines (issue #41, "True on-policy rollouts": in float32 a
+completion's sampler log-probs moved by 1-7 ulps with the batch it was drawn in, in bf16
+the GRPO loop's ``logprob_diff_max`` was 0.025-0.033 per step).
+
+The trainer's side is ``Transformer.token_logprobs`` on packed rows (several sequences
+per row, segment ids), split into micro-batches of rows, each compacted into its own
+bucket: what the GRPO step computes. The rollouts: G = 2 samples per prompt, uneven
+prompts at page and key-block edges, per-row budgets, continuous batching, greedy and
+sampled. With the mode off the same comparison shows the gap. What the mode does not
+cover is refused by name.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import get_config
+from models.attention import invariant as inv_attention
+from models.attention.reference import dense_attention
+from models.invariant import ROW_TILE, check_mesh
+from models.transformer import check_ops
+from tests.support.models import random_model
+from train import packing, rollout, state
+
+T, G, PAGE = 8, 2, 4
+KB = inv_attention.KEY_BLOCK
+#: lengths at page edges (3, 4, 5, 8), below and past a key block (KB - 1, KB + 1), one
+#: that alone fills a row tile
+PROMPT_LENGTHS = (3, 4, 5, 8, ROW_TILE + 1, KB - 1, KB + 1)
+STOPS = tuple(range(0, 500, 29))
+ENGINES = {"reference": {"engine": "reference"},
+           "compact": {"engine": "compact", "page_size": PAGE},
+           "waiting": {"engine": "compact", "page_size": PAGE, "max_decode_rows": 3}}
+
+
+@functools.cache
+def _policy(dtype: str, numerics: str):
+    cfg = get_config("tiny", dtype=dtype, tie_word_embeddings=False, numerics=numerics)
+    model = random_model(cfg, seed=3)
+    return state.ModelDef.of(model.cfg), state.params_of(model)
+
+
+@functools.cache
+def _generator(dtype: str, numerics: str, engine: str) -> rollout.Generator:
+    mdef, _ = _policy(dtype, numerics)
+    return rollout.Generator(mdef, max_new_tokens=T, stop_ids=STOPS, num_valid=500,
+                             decode_chunk=3, rung_multiple=4, **ENGINES[engine])
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(20, 500, n).tolist() for n in PROMPT_LENGTHS]
+
+
+@functools.cache
+def _scorer(mdef):
+    @functools.partial(jax.jit, static_argnames=("bucket", "temperature"))
+    def score(params, b, bucket, temperature):
+        head, _ = mdef.merge(params).token_logprobs(
+            b["tokens"], b["positions"], b["segment_ids"], b["labels"],
+            packing.keep(b["loss_mask"], b["segment_ids"]), temperature=temperature,
+            bucket=bucket)
+        return head.logprobs
+
+    return score
+
+
+def _trainer_logprobs(dtype, numerics, prompts, roll, temperature):
+    """The trainer's log-probs of every completion, as the sampler's ``[B, T]`` layout:
+    the sequences packed into rows of 96 tokens, two micro-batches of rows, each with the
+    bucket of its own kept tokens."""
+    mdef, params = _policy(dtype, numerics)
+    completions = [roll.completion(i) for i in range(len(roll.lengths))]
+    batch = packing.pack([prompts[i // G] for i in range(len(completions))], completions,
+                         96, row_multiple=2)
+    half = batch.tokens.shape[0] // 2
+    score = _scorer(mdef)
+    parts = []
+    for part in (batch.rows(0, half), batch.rows(half, 2 * half)):
+        arrays = {k: jnp.asarray(v) for k, v in part.arrays().items()}
+        parts.append(np.asarray(score(params, arrays, part.bucket(ROW_TILE),
+                                      temperature)))
+    out = np.zeros(roll.logprobs.shape, np.float32)
+    for i, seq in enumerate(batch.per_sequence(np.concatenate(parts))):
+        out[i, :len(seq)] = seq
+    return out
+
+
+def _rollout(dtype, numerics, engine, temperature):
+    _, params = _policy(dtype, numerics)
+    prompts = _prompts()
+    budgets = np.tile([T, T - 3], len(prompts))  # per-row budgets
+    roll = _generator(dtype, numerics, engine)(
+        params, prompts, jax.random.key(1), temperature=temperature, group_size=G,
+        max_new_tokens=budgets)
+    return prompts, roll
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("temperature", [0.7, 0.0])
+def test_sampler_logprobs_are_the_trainers_bit_for_bit(engine, dtype, temperature):
+    """The issue's acceptance: every completion token's sampler log-prob equals the
+    trainer's (packed rows, micro-batches, buckets), ``np.array_equal``."""
+    prompts, roll = _rollout(dtype, "invariant", engine, temperature)
+    assert (roll.lengths > 1).sum() > len(roll.lengths) // 2  # completions to compare
+    trainer = _trainer_logprobs(dtype, "invariant", prompts, roll, temperature or 1.0)
+    np.testing.assert_array_equal(trainer, roll.logprobs)
+
+
+def test_engines_draw_the_same_tokens_and_logprobs():
+    """Under the mode a request's tokens and log-probs do not depend on the engine, its
+    row, its batch or its admission order (bf16, sampled)."""
+    rolls = [_rollout("bfloat16", "invariant", e, 0.7)[1] for e in ENGINES]
+    for other in rolls[1:]:
+        np.testing.assert_array_equal(other.tokens, rolls[0].tokens)
+        np.testing.assert_array_equal(other.logprobs, rolls[0].logprobs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_numerics_have_the_gap(dtype):
+    """The same comparison with the mode off: the log-probs differ (float rounding of
+    other batch shapes), so the test above can fail."""
+    prompts, roll = _rollout(dtype, "default", "compact", 0.7)
+    trainer = _trainer_logprobs(dtype, "default", prompts, roll, 0.7)
+    gap = np.abs(trainer - roll.logprobs)
+    assert gap.max() > 0
+    assert gap.max() < (0.1 if dtype == "bfloat16" else 1e-4)  # rounding, not a bug
+
+
+def _packed(lengths, t):
+    pos, seg = np.zeros((2, len(lengths), t), np.int32)
+    for row, parts in enumerate(lengths):
+        start = 0
+        for i, n in enumerate(parts):
+            seg[row, start:start + n], pos[row, start:start + n] = i + 1, np.arange(n)
+            start += n
+    return jnp.asarray(pos), jnp.asarray(seg)
+
+
+def test_attention_matches_the_dense_reference():
+    """The three front ends of the invariant attention against ``dense_attention`` on
+    random float32 data: packed rows (several key blocks, padding), the dense cache with
+    decode slots after a right-padded prompt, and a paged pool with scattered pages."""
+    b, t, n, k, d = 2, 2 * KB + 9, 4, 2, 16
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (b, t, n, d))
+    kk = jax.random.normal(keys[1], (b, t, k, d))
+    vv = jax.random.normal(keys[2], (b, t, k, d))
+    pos, seg = _packed([(KB + 3, 40), (2 * KB + 9,)], t)
+    want = dense_attention(q, kk, vv, pos, seg, pos, seg, scale=0.25)
+    got = inv_attention.self_attention(q, kk, vv, pos, seg, scale=0.25)
+    live = np.asarray(seg)[..., None, None] > 0
+    np.testing.assert_allclose(np.where(live, got, 0), np.where(live, want, 0), rtol=2e-5,
+                               atol=2e-6)
+    # one query at position p of row 1 reading a cache whose slots are: prompt [0, 50),
+    # padding [50, 60), decode [60, L): position x >= 50 at slot x + 10
+    p, length = KB + 30, KB + 60
+    slot_pos = np.where(np.arange(length) < 50, np.arange(length), np.arange(length) - 10)
+    slot_seg = ((np.arange(length) < 50) | (np.arange(length) >= 60)).astype(np.int32)
+    slot_seg &= slot_pos <= p
+    src = np.clip(slot_pos, 0, t - 1)
+    ck, cv = kk[1:, src], vv[1:, src]
+    got = inv_attention.cache_attention(
+        q[1:, p:p + 1], ck, cv, jnp.full((1, 1), p), jnp.ones((1, 1), jnp.int32),
+        jnp.asarray(slot_pos)[None], jnp.asarray(slot_seg)[None], scale=0.25)
+    np.testing.assert_allclose(got[0, 0], want[1, p], rtol=2e-5, atol=2e-6)
+    # paged: pages of 8 slots, row 1's pages scattered over a pool of 40
+    size = 8
+    pages = -(-t // size)
+    order = np.random.default_rng(0).permutation(40)[:pages]
+    seq_k = jnp.pad(kk[1], ((0, pages * size - t), (0, 0), (0, 0)))
+    seq_v = jnp.pad(vv[1], ((0, pages * size - t), (0, 0), (0, 0)))
+    kp = jnp.zeros((40, k, size, d)).at[order].set(
+        seq_k.reshape(pages, size, k, d).swapaxes(1, 2))
+    vp = jnp.zeros((40, k, size, d)).at[order].set(
+        seq_v.reshape(pages, size, k, d).swapaxes(1, 2))
+    table = jnp.full((1, pages + 2), 2 ** 30, jnp.int32).at[0, :pages].set(order)
+    got = inv_attention.paged_attention(q[1, p][None], kp, vp, table, jnp.array([p + 1]),
+                                        0.25)
+    np.testing.assert_allclose(got[0], want[1, p], rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("overrides, named", [
+    ({"numerics": "exact"}, "numerics"),
+    ({"numerics": "invariant", "attention_impl": "xla_chunked"}, "xla_chunked"),
+    ({"numerics": "invariant", "attention_impl": "dense"}, "'dense'"),
+])
+def test_check_ops_refuses_what_the_mode_cannot_run(overrides, named):
+    with pytest.raises(ValueError, match=named):
+        check_ops(get_config("tiny", **overrides))
+
+
+def test_moe_is_refused_by_name():
+    with pytest.raises(ValueError, match="num_experts"):
+        check_ops(get_config("tiny-moe", numerics="invariant"))
+
+
+def test_multi_device_mesh_is_refused():
+    check_mesh(None)
+    with pytest.raises(ValueError, match="one device"):
+        check_mesh(jax.sharding.AbstractMesh((2, 1), ("data", "context")))
+
+
+def test_truncated_draw_is_refused():
+    """top-k / top-p / min-p have no invariant variant: the draw raises, naming them."""
+    mdef, params = _policy("float32", "invariant")
+    gen = rollout.Generator(mdef, max_new_tokens=2, stop_ids=(), num_valid=500,
+                            engine="reference",
+                            truncation=rollout.Truncation(top_k=5))
+    with pytest.raises(ValueError, match="top_k"):
+        gen(params, [[5, 6]], jax.random.key(0), temperature=1.0)
+
+
+def test_attention_gradients_match_the_dense_reference():
+    """The training front end's gradients (``"xla_chunked"``'s backward) against
+    ``dense_attention``'s on random float32 packed rows spanning several key blocks."""
+    b, t, n, k, d = 2, KB + 20, 4, 2, 16
+    keys = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(keys[0], (b, t, n, d))
+    kk = jax.random.normal(keys[1], (b, t, k, d))
+    vv = jax.random.normal(keys[2], (b, t, k, d))
+    w = jax.random.normal(keys[3], (b, t, n, d))
+    pos, seg = _packed([(KB + 3, 10), (KB + 20,)], t)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(jnp.where(seg[..., None, None] > 0, fn(q, k, v), 0) * w)
+
+    want = jax.grad(loss(lambda q, k, v: dense_attention(q, k, v, pos, seg, pos, seg,
+                                                         scale=0.25)), (0, 1, 2))(q, kk, vv)
+    got = jax.grad(loss(lambda q, k, v: inv_attention.self_attention(
+        q, k, v, pos, seg, scale=0.25)), (0, 1, 2))(q, kk, vv)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
