@@ -52,4 +52,6 @@ def get_config():
     c.checkpoint.every = 50
     c.eval.size = 1024
     c.eval.samples = 4
+    c.eval.curve_every = 25  # held-out greedy accuracy during GRPO (grpo_curve.png)
+    c.eval.curve_size = 256
     return c

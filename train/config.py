@@ -238,6 +238,10 @@ def schema() -> d.Schema:
             "batch": Key(0, d.integer(0)),
             # evaluate the warm start and the final policy
             "before_after": Key(True, d.boolean()),
+            # every this many GRPO steps, the greedy accuracy of the first curve_size
+            # held-out problems (the curve of grpo_curve.png; 0: none)
+            "curve_every": Key(0, d.integer(0), resume=FREE),
+            "curve_size": Key(256, COUNT, resume=FREE),
         },
 
         # The final policy as a Hugging Face checkpoint directory (train.export): written at
