@@ -239,7 +239,8 @@ def schema() -> d.Schema:
             # evaluate the warm start and the final policy
             "before_after": Key(True, d.boolean()),
             # every this many GRPO steps, the greedy accuracy of the first curve_size
-            # held-out problems (the curve of grpo_curve.png; 0: none)
+            # held-out problems (the curve of grpo_curve.png between the before / after
+            # evaluations: with before_after only; 0: none)
             "curve_every": Key(0, d.integer(0), resume=FREE),
             "curve_size": Key(256, COUNT, resume=FREE),
         },
