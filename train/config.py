@@ -32,6 +32,8 @@ from train.domains import COUNT, EXTENDS, FREE, NONNEGATIVE, POSITIVE, Key
 DTYPES = d.one_of("float32", "bfloat16")
 MESH_SIZE = d.Domain("an integer >= 1, or -1 (the remaining devices)",
                      lambda v: COUNT.ok(v) or (d.integer().ok(v) and v == -1))
+TASK_KWARGS = d.mapping(lambda m: all(isinstance(v, dict) for v in m.values()),
+                        "a dict {task name: {dataset config kwarg: value}}")
 PATH_OR_EMPTY = d.Domain("'' or an existing directory",
                          lambda v: isinstance(v, str) and (not v or Path(v).is_dir()))
 
@@ -116,9 +118,7 @@ def schema() -> d.Schema:
         "data": {
             # reasoning-gym task names (they take turns)
             "tasks": Key(("chain_sum",), d.names(available_tasks, nonempty=True)),
-            "task_kwargs": Key({}, d.mapping(  # {task: dataset config kwargs}
-                lambda m: all(isinstance(v, dict) for v in m.values()),
-                "a dict {task name: {dataset config kwarg: value}}")),
+            "task_kwargs": Key({}, TASK_KWARGS),  # {task: dataset config kwargs}
             "train_seed": Key(1, d.integer(0)),
             "eval_seed": Key(2, d.integer(0)),
             "max_prompt_len": Key(128, COUNT),  # longer prompts are skipped and counted
@@ -136,6 +136,9 @@ def schema() -> d.Schema:
         # Supervised warm start (train.sft, or the first stage of train.grpo).
         "sft": {
             "steps": Key(0, d.integer(0, note=" (0: no SFT stage)"), resume=EXTENDS),
+            # {task: dataset config kwargs} of the SFT stage's problems, replacing that task's
+            # data.task_kwargs (e.g. easier instances: fewer terms); {}: GRPO's problems
+            "task_kwargs": Key({}, TASK_KWARGS),
             "batch_size": Key(32, COUNT),  # sequences per step
             **_rows(256, 4),
             "log_every": Key(10, COUNT, resume=FREE),
@@ -235,6 +238,11 @@ def schema() -> d.Schema:
             "batch": Key(0, d.integer(0)),
             # evaluate the warm start and the final policy
             "before_after": Key(True, d.boolean()),
+            # every this many GRPO steps, the greedy accuracy of the first curve_size
+            # held-out problems (the curve of grpo_curve.png between the before / after
+            # evaluations: with before_after only; 0: none)
+            "curve_every": Key(0, d.integer(0), resume=FREE),
+            "curve_size": Key(256, COUNT, resume=FREE),
         },
 
         # The final policy as a Hugging Face checkpoint directory (train.export): written at
@@ -302,8 +310,13 @@ def _model(cfg) -> list[tuple[str, str]]:
 
 
 def _task_kwargs(cfg) -> list[tuple[str, str]]:
-    extra = sorted(set(cfg.data.task_kwargs) - set(cfg.data.tasks))
-    return [("data.task_kwargs", f"kwargs for tasks not in data.tasks: {extra}")] if extra else []
+    out = []
+    for key in ("data.task_kwargs", "sft.task_kwargs"):
+        section, name = key.split(".")
+        extra = sorted(set(cfg[section][name]) - set(cfg.data.tasks))
+        if extra:
+            out.append((key, f"kwargs for tasks not in data.tasks: {extra}"))
+    return out
 
 
 def _tokenizer(cfg) -> list[tuple[str, str]]:

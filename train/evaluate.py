@@ -108,10 +108,32 @@ def evaluate(generate: rollout.Generator, params: Params, problems: list[Problem
         greedy = _generate_all(generate, params, prompts, key, batch, bar, 0.0)
     rewards = [tasks.reward(problems[j // samples], ro.completion(i), bool(ro.stopped[i]),
                             format_weight) for j, (ro, i) in enumerate(done)]
-    correct = [float(tasks.reward(p, ro.completion(i), bool(ro.stopped[i])) >= 1.0)
-               for p, (ro, i) in zip(problems, greedy, strict=True)]
     return EvalResult(np.asarray(rewards, np.float64).reshape(len(problems), samples),
-                      np.asarray(correct, np.float64), temperature)
+                      _exactly_right(problems, greedy, tasks), temperature)
+
+
+def _exactly_right(problems: list[Problem], completions, tasks: Tasks) -> np.ndarray:
+    """float64 ``[n]``: 1 where problem ``j``'s completion (``completions[j]``, a
+    ``(rollout, row)``) has a task score of 1."""
+    return np.asarray([float(tasks.reward(p, ro.completion(i), bool(ro.stopped[i])) >= 1.0)
+                       for p, (ro, i) in zip(problems, completions, strict=True)], np.float64)
+
+
+def greedy_point(cfg, s: setup.Setup, generate: rollout.Generator, params: Params,
+                 step: int) -> None:
+    """One point of the held-out greedy-accuracy curve: the greedy completions of the first
+    ``eval.curve_size`` held-out problems under ``params``, written as the metrics record
+    ``kind="eval_greedy"`` of ``step`` (``greedy_accuracy``, its standard error,
+    ``problems``; ``train.plot`` draws them). A resumed run that redoes the step writes
+    nothing twice (``MetricsWriter``)."""
+    problems = s.eval_problems[:cfg.eval.curve_size]
+    batch = cfg.eval.batch or cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    with tqdm(total=-(-len(problems) // batch), disable=True) as bar:
+        greedy = _generate_all(generate, params, [p.prompt for p in problems],
+                               jax.random.key(0), batch, bar, 0.0)
+    acc, se = EvalResult._mean_se(_exactly_right(problems, greedy, s.tasks))
+    s.writer.write(step, {"greedy_accuracy": acc, "greedy_accuracy_se": se,
+                          "problems": len(problems)}, kind="eval_greedy")
 
 
 def answer_logprobs(logprobs, params: Params, problems: list[Problem], tasks: Tasks, *,

@@ -96,6 +96,9 @@ class GRPOIteration:
         # log-probs, the clipped-surrogate updates
         params, opt_state, report = self.updater(params, opt_state, seqs, key,
                                                  self.ref_params)
+        if (cfg.eval.before_after and cfg.eval.curve_every and s.eval_problems
+                and step % cfg.eval.curve_every == 0):
+            evaluate.greedy_point(cfg, s, self.generate, params, step)
         many = len(report.updates) > 1  # the updates named <epoch>.<mini-batch>
         skipped = self.guard.observe(step, [(f"{e}.{m}" if many else "", metrics)
                                             for (e, m), metrics in report.updates])

@@ -163,8 +163,9 @@ class Loop:
             key = jax.random.wrap_key_data(items["rng"]["key"])
             position, first = meta["data_position"], meta["step"] + 1
             print(f"{stage.name}: resuming from checkpoint step {meta['step']}", flush=True)
-        stream = s.tasks.train_stream(training_seed(cfg.data.train_seed, cfg.seed), s.exclude,
-                                     start=position)
+        tasks = s.stage_tasks(stage.name)
+        stream = tasks.train_stream(training_seed(cfg.data.train_seed, cfg.seed), s.exclude,
+                                    start=position)
         bar = tqdm(total=stage.steps, initial=first - 1, desc=stage.name,
                    disable=not s.writer.enabled)
         for step in range(first, stage.steps + 1):
@@ -176,7 +177,7 @@ class Loop:
                 params, opt_state, [p for _, p in drawn], jax.random.fold_in(key, step), step)
             if step % stage.log_every == 0 or step == stage.steps:
                 m = {**metrics(), "lr": applied_rate(opt_state),
-                     "skipped_prompts": s.tasks.skipped, "peak_memory_bytes": peak_memory_bytes()}
+                     "skipped_prompts": tasks.skipped, "peak_memory_bytes": peak_memory_bytes()}
                 s.writer.write(step, m, kind=stage.kind)
                 bar.set_postfix({k: f"{m[k]:.3f}" for k in stage.postfix})
             last = step == stage.steps

@@ -29,7 +29,8 @@ class Setup:
 
     Attributes:
       workdir: the run directory (absolute).
-      tokenizer, tasks: see ``train.tokenizer`` / ``train.data``.
+      tokenizer, tasks: see ``train.tokenizer`` / ``train.data``; ``tasks`` makes the
+        held-out set and GRPO's problems.
       eval_problems: the held-out set (distinct questions, eval seed).
       exclude: their question texts (never trained on).
       mdef: the model definition (its config carries ``mesh.rules``).
@@ -48,11 +49,20 @@ class Setup:
     hf_params: state.Params | None
     placement: Placement
     writer: MetricsWriter
+    sft_tasks: Tasks | None = None
+
+    def stage_tasks(self, stage: str) -> Tasks:
+        """The problems of a stage's training stream: ``sft_tasks`` for the SFT stage
+        (``sft.task_kwargs``; the same as ``tasks`` when that is empty), ``tasks`` for
+        GRPO and the held-out set."""
+        return self.sft_tasks if stage == SFT_DIR and self.sft_tasks is not None else self.tasks
 
 
-def task_specs(data_cfg) -> dict[str, dict]:
-    """``{task: kwargs}`` from ``data.tasks`` (a tuple of names) and ``data.task_kwargs``."""
-    kwargs = data_cfg.task_kwargs.to_dict()
+def task_specs(data_cfg, stage_kwargs=None) -> dict[str, dict]:
+    """``{task: kwargs}`` from ``data.tasks`` (a tuple of names) and ``data.task_kwargs``;
+    a task in ``stage_kwargs`` (a stage's own ``task_kwargs``, e.g. ``sft.task_kwargs``)
+    takes those kwargs instead."""
+    kwargs = {**data_cfg.task_kwargs.to_dict(), **(stage_kwargs or {})}
     return {n: dict(kwargs.get(n, {})) for n in data_cfg.tasks}
 
 
@@ -96,10 +106,18 @@ def build(cfg) -> Setup:
     """
     workdir = Path(cfg.workdir).absolute()
     tok = load_tokenizer(cfg.tokenizer or cfg.model.hf_checkpoint)
-    tasks = Tasks(task_specs(cfg.data), tok, cfg.data.max_prompt_len,
-                  prefill_answer_tag=cfg.data.prefill_answer_tag,
-                  stop_at_close_tag=cfg.data.stop_at_close_tag,
-                  system_prompt=cfg.data.system_prompt)
+
+    def make_tasks(stage_kwargs=None) -> Tasks:
+        return Tasks(task_specs(cfg.data, stage_kwargs), tok, cfg.data.max_prompt_len,
+                     prefill_answer_tag=cfg.data.prefill_answer_tag,
+                     stop_at_close_tag=cfg.data.stop_at_close_tag,
+                     system_prompt=cfg.data.system_prompt)
+
+    tasks = make_tasks()
+    sft_kwargs = cfg.sft.task_kwargs.to_dict()
+    sft_tasks = make_tasks(sft_kwargs) if sft_kwargs else tasks
+    for name in sft_kwargs:  # a config the task rejects fails here, before any work
+        sft_tasks.dataset(name, cfg.data.train_seed)
     if cfg.init.sft_checkpoint:
         require_checkpoint(cfg.init.sft_checkpoint)  # fail early, before any work
     check_resumable(workdir / SFT_DIR, cfg.sft.steps)
@@ -116,7 +134,7 @@ def build(cfg) -> Setup:
     writer = MetricsWriter(workdir / "metrics.jsonl", enabled=jax.process_index() == 0,
                            tensorboard=cfg.metrics.tensorboard)
     return Setup(workdir, tok, tasks, problems, {p.question for p in problems}, mdef,
-                 hf_params, placement, writer)
+                 hf_params, placement, writer, sft_tasks)
 
 
 def _exit(status: int, lines: list[str]) -> None:
@@ -180,8 +198,13 @@ def banner(cfg, s: Setup, entry: str, config_file: str | None = None) -> str:
     head = sum(v for k, v in sizes.items() if k.startswith(("embed_tokens.", "lm_head.")))
     m = s.mdef.cfg
     source = cfg.model.hf_checkpoint or f"preset {cfg.model.preset}"
-    kwargs = cfg.data.task_kwargs.to_dict()
-    tasks = ", ".join(f"{t} {kwargs[t]}" if kwargs.get(t) else t for t in cfg.data.tasks)
+
+    def named(kwargs: dict) -> str:
+        return ", ".join(f"{t} {kwargs[t]}" if kwargs.get(t) else t for t in cfg.data.tasks)
+
+    tasks = named(cfg.data.task_kwargs.to_dict())
+    if cfg.sft.task_kwargs and (entry == "train.sft" or cfg.sft.steps > 0):
+        tasks += f" (SFT: {named(task_specs(cfg.data, cfg.sft.task_kwargs.to_dict()))})"
     stages = []
     if entry == "train.sft" or (cfg.sft.steps > 0 and not cfg.init.sft_checkpoint):
         stages.append(f"SFT {cfg.sft.steps} steps x {cfg.sft.batch_size} sequences")

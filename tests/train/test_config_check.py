@@ -33,7 +33,8 @@ BAD = {
     "data.task_kwargs": {"basic_arithmetic": {"min_terms": 2}},
     "data.train_seed": -1, "data.eval_seed": -2, "data.max_prompt_len": 0,
     "data.format_reward": -0.1,
-    "sft.steps": -1, "sft.batch_size": 0, "sft.log_every": 0, "sft.max_nonfinite_updates": 0,
+    "sft.steps": -1, "sft.task_kwargs": {"basic_arithmetic": {"min_terms": 2}},
+    "sft.batch_size": 0, "sft.log_every": 0, "sft.max_nonfinite_updates": 0,
     **{f"sft.{k}": v for k, v in ROWS_BAD.items()},
     **{f"sft.optim.{k}": v for k, v in OPTIM_BAD.items()},
     "init.sft_checkpoint": "MISSING",
@@ -52,7 +53,8 @@ BAD = {
     **{f"train.{k}": v for k, v in ROWS_BAD.items()},
     **{f"train.optim.{k}": v for k, v in OPTIM_BAD.items()},
     "checkpoint.every": 0, "checkpoint.keep": 0,
-    "eval.size": 0, "eval.samples": 0, "eval.batch": -1,
+    "eval.size": 0, "eval.samples": 0, "eval.batch": -1, "eval.curve_every": -1,
+    "eval.curve_size": 0,
     "metrics.peak_flops": -1.0,
     "export.dtype": "float16",
     "mesh.data": 0, "mesh.fsdp": -2, "mesh.expert": 0, "mesh.context": 0, "mesh.tensor": 0,
@@ -112,7 +114,7 @@ def test_one_bad_value_is_one_error_line_exit_2_and_nothing_written(key, tmp_pat
     assert status == 2
     assert len(lines) == 1 and lines[0].startswith(f"error: {key} = "), lines
     assert ": must be " in lines[0] or "unknown name" in lines[0] or key.startswith(
-        ("model.", "data.task_kwargs")), lines[0]
+        ("model.", "data.task_kwargs", "sft.task_kwargs")), lines[0]
     assert not (tmp_path / "run").exists()
 
 

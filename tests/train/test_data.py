@@ -205,3 +205,36 @@ def test_metrics_writer_never_duplicates_and_drops_partial_lines(tmp_path):
     recs = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(r["step"], r["a"]) for r in recs] == [(1, 1.0), (2, 2.0), (3, 3.0)]
     assert recs[1]["path"] == "x"
+
+
+def _terms(problem) -> int:
+    return problem.entry["metadata"]["num_terms"]
+
+
+def test_sft_stage_draws_its_own_problems(tmp_path):
+    """``sft.task_kwargs``: the SFT stage trains on easier instances of the task (2 terms)
+    while GRPO and the held-out set keep ``data.task_kwargs``' (3 terms), the split of the
+    main job (issue 44: the warm start must leave GRPO something to teach). A dataset
+    config the task rejects fails in ``setup.build``, naming the task, before any work."""
+    from tests.support import ROOT
+    from train import setup
+    from train.cli import load_config
+    from train.data import training_seed
+
+    cfg = load_config(str(ROOT / "configs" / "grpo_micro.py"))
+    cfg.workdir, cfg.metrics.tensorboard = str(tmp_path / "run"), False
+    cfg.data.task_kwargs = {"chain_sum": {"min_terms": 3, "max_terms": 3}}
+    cfg.sft.task_kwargs = {"chain_sum": {"min_terms": 2, "max_terms": 2, "max_digits": 1}}
+    s = setup.build(cfg)
+    seed = training_seed(cfg.data.train_seed, cfg.seed)
+    sft = [p for _, (_, p) in zip(range(100), s.stage_tasks("sft").train_stream(seed, s.exclude))]
+    grpo = [p for _, (_, p) in zip(range(100), s.stage_tasks("grpo").train_stream(seed,
+                                                                                  s.exclude))]
+    assert {_terms(p) for p in sft} == {2} and {_terms(p) for p in grpo} == {3}
+    assert {_terms(p) for p in s.eval_problems} == {3}
+    assert s.stage_tasks("grpo") is s.tasks
+    banner = setup.banner(cfg, s, "train.grpo")
+    assert "max_terms': 3" in banner and "(SFT: chain_sum {" in banner, banner
+    cfg.sft.task_kwargs = {"chain_sum": {"min_terms": 0}}
+    with pytest.raises(ValueError, match="task 'chain_sum': bad config"):
+        setup.build(cfg)

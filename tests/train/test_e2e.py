@@ -75,7 +75,11 @@ def test_two_grpo_steps_end_to_end(tmp_path, env):
                       for e in (1, 2) for m in (1, 2)}
         assert per_update <= set(r), per_update - set(r)
         assert abs(r["ratio_max/1.1"] - 1) <= 1e-4  # before any update: the trainer's own
-    assert {r["kind"] for r in recs} == {"sft", "eval_before", "train", "eval_after"}
+    assert {r["kind"] for r in recs} == {"sft", "eval_before", "train", "eval_greedy",
+                                         "eval_after"}
+    curve = [r for r in recs if r["kind"] == "eval_greedy"]  # eval.curve_every = 1
+    assert [(r["step"], r["problems"]) for r in curve] == [(1, 8), (2, 8)]
+    assert all(0 <= r["greedy_accuracy"] <= 1 for r in curve)
     assert _complete_checkpoints(work / "grpo")[-1] == 2
     assert (work / "tb").is_dir()
     # the banner, before anything else
