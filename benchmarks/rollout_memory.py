@@ -137,7 +137,8 @@ def measure(config: str, preset: str, topology: str, mesh_sizes: dict[str, int] 
         for name in ("T/4 written", "T written"):
             fn = compact._fn("chunk", (rows, True))
             low = fn.lower(params, pools(pages_of[name]), Rows(*fields),
-                           ints(rows, table), record, key, ints(sharding=rep), temp, trunc)
+                           ints(rows, table), record, key, ints(sharding=rep),
+                           ints(sharding=rep), temp, trunc)
             out.append((f"compact: decode chunk, {name}", pages_of[name] * size,
                         *_memory(low)))
     where = (f"{config}: {preset} ({model_cfg.num_hidden_layers} layers, "

@@ -26,6 +26,7 @@ from models.attention import invariant as inv_attention
 from models.attention.reference import dense_attention
 from models.invariant import ROW_TILE, check_mesh
 from models.transformer import check_ops
+from tests.models.test_attention import packed
 from tests.support.models import random_model
 from train import packing, rollout, state
 
@@ -135,16 +136,6 @@ def test_default_numerics_have_the_gap(dtype):
     assert gap.max() < (0.1 if dtype == "bfloat16" else 1e-4)  # rounding, not a bug
 
 
-def _packed(lengths, t):
-    pos, seg = np.zeros((2, len(lengths), t), np.int32)
-    for row, parts in enumerate(lengths):
-        start = 0
-        for i, n in enumerate(parts):
-            seg[row, start:start + n], pos[row, start:start + n] = i + 1, np.arange(n)
-            start += n
-    return jnp.asarray(pos), jnp.asarray(seg)
-
-
 def test_attention_matches_the_dense_reference():
     """The three front ends of the invariant attention against ``dense_attention`` on
     random float32 data: packed rows (several key blocks, padding), the dense cache with
@@ -154,7 +145,7 @@ def test_attention_matches_the_dense_reference():
     q = jax.random.normal(keys[0], (b, t, n, d))
     kk = jax.random.normal(keys[1], (b, t, k, d))
     vv = jax.random.normal(keys[2], (b, t, k, d))
-    pos, seg = _packed([(KB + 3, 40), (2 * KB + 9,)], t)
+    pos, seg = packed([(KB + 3, 40), (2 * KB + 9,)], t)
     want = dense_attention(q, kk, vv, pos, seg, pos, seg, scale=0.25)
     got = inv_attention.self_attention(q, kk, vv, pos, seg, scale=0.25)
     live = np.asarray(seg)[..., None, None] > 0
@@ -228,7 +219,7 @@ def test_attention_gradients_match_the_dense_reference():
     kk = jax.random.normal(keys[1], (b, t, k, d))
     vv = jax.random.normal(keys[2], (b, t, k, d))
     w = jax.random.normal(keys[3], (b, t, n, d))
-    pos, seg = _packed([(KB + 3, 10), (KB + 20,)], t)
+    pos, seg = packed([(KB + 3, 10), (KB + 20,)], t)
 
     def loss(fn):
         return lambda q, k, v: jnp.sum(jnp.where(seg[..., None, None] > 0, fn(q, k, v), 0) * w)

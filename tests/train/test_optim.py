@@ -130,7 +130,7 @@ def test_a_skipped_update_shifts_no_rate_and_the_logged_rate_is_the_applied_one(
     stream = ((i + 1, None) for i in itertools.count())
     tasks = types.SimpleNamespace(train_stream=lambda *a, start=0: stream, skipped=0)
     s = types.SimpleNamespace(workdir=tmp_path, placement=placement, tasks=tasks,
-                              exclude=set(), writer=writer)
+                              stage_tasks=lambda stage: tasks, exclude=set(), writer=writer)
     loop = Loop(cfg, s, Stage("grpo", 10, 1, 1, o, "train"))
 
     @jax.jit

@@ -4,13 +4,17 @@ setting kept (parameter and compute dtypes, optimizer, learning rate and schedul
 per batch, mini- and micro-batches, remat, loss), runs three GRPO steps through the
 trainer's own ``GRPOIteration`` on the same rollouts (drawn once, with rewards that vary
 within every group). Its parameter updates match the same steps with float32 parameters
-and compute, tensor by tensor, and >= 99% of the entries those steps move do move.
+and compute, tensor by tensor, and >= 98% of the entries those steps move do move.
 
 The reported case: the 30B preset shipped bfloat16 parameters at lr 1e-6; the updates
 rounded away (0% of the entries moved here, 0.39% in six steps). The bound on the
 relative update error is set from seeds: 0.5 against a largest measured 0.36 (seeds 0-2,
 both presets; always a norm scale, whose updates at lr 1e-6 are one or two float32
-spacings at 1.0, which bf16 compute flips for some entries; bfloat16 parameters: 1.0)."""
+spacings at 1.0, which bf16 compute flips for some entries; bfloat16 parameters: 1.0). The
+share of entries moved, over three rollout keys (100, 200, 300 + step): 98.6-99.2% for the
+MoE preset (bf16 routing sends some tokens to other experts than float32 does, so a few
+expert rows the reference reaches get no gradient) and 99.3-99.4% for the dense one; the
+bound is 98%."""
 
 from __future__ import annotations
 
@@ -138,5 +142,5 @@ def test_a_shipped_config_learns_as_shipped(name, tmp_path):
         if np.any(d_want):
             worst = max(worst, (np.linalg.norm(d_got - d_want) / np.linalg.norm(d_want), k))
     assert reached >= 0.5 * total, (name, reached, total)  # a test of something
-    assert moved >= 0.99 * reached, f"{name}: {moved / reached:.2%} of the entries moved"
+    assert moved >= 0.98 * reached, f"{name}: {moved / reached:.2%} of the entries moved"
     assert worst[0] <= BOUND, f"{name}: relative update error {worst[0]:.3g} in {worst[1]}"
