@@ -131,32 +131,29 @@ def test_bad_fused_experts_raise_naming_the_tensor(fused, tmp_path):
     _, path, _ = fused
     gate_up = "model.layers.2.mlp.experts.gate_up_proj"
 
-    rewrite(path, tmp_path / "missing", lambda t: t.pop(gate_up))
-    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.2\.mlp\.experts"
-                                              r"\.0\.gate_proj\.weight' .*or fused as model\."
-                                              r"layers\.2\.mlp\.experts\.gate_up_proj.*16 "
-                                              r"missing in all"):
-        load_model(tmp_path / "missing")
+    def refused(name, edit, match):
+        rewrite(path, tmp_path / name, edit)
+        with pytest.raises(CheckpointError, match=match):
+            load_model(tmp_path / name)
+
+    refused("missing", lambda t: t.pop(gate_up),
+            r"missing tensor 'model\.layers\.2\.mlp\.experts\.0\.gate_proj\.weight' .*or "
+            r"fused as model\.layers\.2\.mlp\.experts\.gate_up_proj.*16 missing in all")
 
     def gate_only(t):
         t[gate_up] = np.ascontiguousarray(t[gate_up][:, :32])
-    rewrite(path, tmp_path / "gate-only", gate_only)
-    with pytest.raises(CheckpointError, match=r"fused experts tensor 'model\.layers\.2\.mlp\."
-                                              r"experts\.gate_up_proj' has shape \(8, 32, 64\), "
-                                              r"expected \(8, 64, 64\)"):
-        load_model(tmp_path / "gate-only")
+    refused("gate-only", gate_only,
+            r"fused experts tensor 'model\.layers\.2\.mlp\.experts\.gate_up_proj' has shape "
+            r"\(8, 32, 64\), expected \(8, 64, 64\)")
 
     def both(t):
         t["model.layers.2.mlp.experts.3.up_proj.weight"] = t[gate_up][3, 32:]
-    rewrite(path, tmp_path / "both", both)
-    with pytest.raises(CheckpointError, match=r"both fused and one by one: 'model\.layers\.2"
-                                              r"\.mlp\.experts\.gate_up_proj' and 'model\."
-                                              r"layers\.2\.mlp\.experts\.3\.up_proj\.weight'"):
-        load_model(tmp_path / "both")
+    refused("both", both,
+            r"both fused and one by one: 'model\.layers\.2\.mlp\.experts\.gate_up_proj' and "
+            r"'model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight'")
 
     def on_a_dense_layer(t):
         t["model.layers.1.mlp.experts.down_proj"] = t["model.layers.0.mlp.experts.down_proj"]
-    rewrite(path, tmp_path / "dense", on_a_dense_layer)
-    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) that config.json does not "
-                                              r"account for.*layers\.1\.mlp\.experts\.down_proj"):
-        load_model(tmp_path / "dense")
+    refused("dense", on_a_dense_layer,
+            r"1 tensor\(s\) that config.json does not account for"
+            r".*layers\.1\.mlp\.experts\.down_proj")
