@@ -86,6 +86,17 @@ class Family:
     write_config: Callable[[ModelConfig], dict] = _nothing
     fused_experts: Callable[[ModelConfig], FusedLayout] | None = None
 
+    def __post_init__(self):
+        """Raises ValueError: a ``fixed`` field ``ModelConfig`` lacks, or a ``layer`` that
+        is not a tuple of pieces (each named)."""
+        unknown = sorted(set(self.fixed) - {f.name for f in dataclasses.fields(ModelConfig)})
+        if unknown:
+            raise ValueError(f"family {self.architecture}: fixed fields {unknown} are not "
+                             "ModelConfig fields")
+        if not isinstance(self.layer, tuple) or not all(map(callable, self.layer)):
+            raise ValueError(f"family {self.architecture}: layer must be a tuple of pieces "
+                             f"piece(cfg, i), got {self.layer!r}")
+
     def expresses(self, cfg: ModelConfig) -> bool:
         """Whether ``cfg`` is a model of this family (the ``fixed`` fields, experts)."""
         return (bool(cfg.num_experts) == self.moe

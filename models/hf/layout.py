@@ -18,7 +18,11 @@ import numpy as np
 
 def index_ranges(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[range]:
     """``index`` (one ``slice`` per axis of ``shape``, as ``jax.make_array_from_callback``
-    passes) as one ``range`` per axis, with a step of 1."""
+    passes) as one ``range`` per axis, with a step of 1.
+
+    Raises:
+      ValueError: a strided slice (the index and the shape named).
+    """
     out = [range(*s.indices(n)) for s, n in zip(index, shape, strict=True)]
     if any(r.step != 1 for r in out):
         raise ValueError(f"strided index {index} of an array of shape {shape}")

@@ -87,3 +87,13 @@ def test_a_family_added_to_the_list_loads_and_exports(renamed_checkpoint, tmp_pa
     assert again.keys() == before.keys()
     for key in before:
         np.testing.assert_array_equal(again[key], before[key], err_msg=str(key))
+
+
+def test_a_record_with_a_field_the_config_lacks_is_refused():
+    """A family's fixed fields are ``ModelConfig`` fields and its layer a tuple of pieces;
+    anything else is refused when the record is made, naming it."""
+    with pytest.raises(ValueError, match=r"RenamedLlamaForCausalLM: fixed fields "
+                                         r"\['sliding_window'\] are not ModelConfig fields"):
+        dataclasses.replace(RENAMED, fixed={"qk_norm": False, "sliding_window": 4096})
+    with pytest.raises(ValueError, match=r"layer must be a tuple of pieces"):
+        dataclasses.replace(RENAMED, layer=llama.FAMILY.layer[0])
