@@ -70,10 +70,15 @@ def test_moe_default_numerics_have_the_gap(dtype):
     assert np.abs(trainer - roll.logprobs).max() > 0
 
 
+@nnx.jit
+def _captured(model, *args):
+    return nnx.capture(model, nnx.Intermediate)(*args)
+
+
 def _routed(model, *args):
     """``model(*args)`` and the experts it chose, one int32 ``[B, S, k]`` per MoE layer in
     layer order (``MoE.tiled_stats``'s ``nnx.Intermediate``, under ``nnx.capture``)."""
-    out, sown = nnx.capture(model, nnx.Intermediate)(*args)
+    out, sown = _captured(model, *args)
     flat = sorted(nnx.to_flat_state(sown), key=lambda kv: int(kv[0][1]))
     assert [path[-1] for path, _ in flat] == ["experts"] * len(flat), flat
     return out, [np.asarray(v.get_value()[0]) for _, v in flat]
