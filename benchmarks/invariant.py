@@ -2,16 +2,20 @@
 default numerics on one workload, and the sampler-trainer log-prob gap of each.
 
     python benchmarks/invariant.py                   # tiny preset, bf16 compute
+    python benchmarks/invariant.py --preset tiny-moe # the MoE variant, + its MoE block
     python benchmarks/invariant.py --prompts 16 --group 8 --new-tokens 32
 
-Workload: a freshly initialised ``tiny`` decoder (``models.PRESETS``) untied, ``--dtype`` compute,
+Workload: a freshly initialised ``--preset`` decoder (``models.PRESETS``) untied, ``--dtype`` compute,
 ``--prompts`` prompts of 8-40 tokens, ``--group`` samples each, ``--new-tokens`` tokens
 (no stop token), the ``compact`` engine at temperature 1; then one GRPO update
 (``train.steps.grpo_step``: forward, backward, AdamW) on the rollout packed into rows of
 ``--row-len`` tokens. Each is compiled by a first call, then timed over ``--repeats``
 calls (the median; process CPU seconds and wall seconds). The gap: ``|logp_trainer -
 logp_sampler|`` over the completion tokens, max and mean (the step's ``logprob_diff_*``).
-Then one layer's attention at the update's shape, ``"invariant"`` vs ``"xla_chunked"``.
+Then one layer's attention at the update's shape, ``"invariant"`` vs ``"xla_chunked"``;
+for an MoE preset, one MoE block on as many tokens: the default dropless path, the
+invariant one (``models.moe.invariant``: every expert on the tile) and the alternative
+that module weighed (each token through its experts' gathered weights).
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's pac
 from harness.machine import describe
 from models import Transformer, get_config
 from models.attention import api as attention
+from models.invariant import row_tiled
+from models.moe.invariant import tile_logits
+from models.moe.layer import route
 from train import packing, rl_loss, rollout, steps
 from train.placement import place_batch
 from train.state import ModelDef, params_of
@@ -50,7 +57,8 @@ def _timed(fn, repeats: int) -> tuple[float, float, object]:
 
 
 def measure(numerics: str, args) -> dict:
-    cfg = get_config("tiny", dtype=args.dtype, tie_word_embeddings=False, numerics=numerics)
+    cfg = get_config(args.preset, dtype=args.dtype, tie_word_embeddings=False,
+                     numerics=numerics)
     mdef, params = ModelDef.of(cfg), params_of(Transformer(cfg, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, 500, int(n)).tolist()
@@ -110,8 +118,61 @@ def attention_cost(args) -> dict:
     return out
 
 
+def _gathered_tile(x, experts, weights, gate, up, down):
+    """The alternative to ``models.moe.invariant.tile_experts``: per top-k slot, each token
+    multiplies its row by its own expert's gathered ``[H, I]`` / ``[I, H]`` weights."""
+    dt, total = x.dtype, jnp.zeros(x.shape, jnp.float32)
+    for j in range(experts.shape[1]):
+        e = experts[:, j]
+
+        def matvec(rows, w):
+            return jnp.einsum("ti,tio->to", rows, w, preferred_element_type=jnp.float32)
+
+        hidden = jax.nn.silu(matvec(x, gate[e]).astype(dt)) * matvec(x, up[e]).astype(dt)
+        total = total + weights[:, j:j + 1] * matvec(hidden, down[e]).astype(dt).astype(
+            jnp.float32)
+    return total.astype(dt)
+
+
+def moe_cost(args) -> dict:
+    """CPU seconds of one MoE block (``--preset``'s), forward and forward + backward
+    (input and all its weights), on ``8 x --row-len`` random tokens: the default path
+    (``MoE.__call__``), the invariant one (row tiles, ``MoE.tile``) and the gathered
+    alternative in the same tiles."""
+    cfg = get_config(args.preset, dtype=args.dtype, numerics="invariant")
+    moe = Transformer(cfg, rngs=nnx.Rngs(0)).layers[0].mlp
+    graph, params = nnx.split(moe)
+    x = jax.random.normal(jax.random.key(0), (8 * args.row_len, cfg.hidden_size),
+                          args.dtype)
+    mask = jnp.ones(x.shape[:1], bool)
+
+    def gathered_block(m, x, mask):
+        def tile(t, real):
+            dt = m.dtype
+            _, w, e = route(tile_logits(t, m.router[...].astype(dt)), m.top_k,
+                            m.norm_topk_prob)
+            y = _gathered_tile(t, e, w, *(p[...].astype(dt) for p in (
+                m.gate_proj, m.up_proj, m.down_proj)))
+            return jnp.where(real[:, None], y, jnp.zeros_like(y))
+        return row_tiled(tile, x, mask, lead=1)
+
+    paths = {"default": lambda m, x, mask: m(x[None], mask[None])[0][0],
+             "invariant": lambda m, x, mask: row_tiled(m.tile, x, mask, lead=1)[0],
+             "invariant, gathered weights": gathered_block}
+    out = {}
+    for name, path in paths.items():
+        def f(x, params, path=path):
+            return path(nnx.merge(graph, params), x, mask)
+
+        grad = jax.jit(jax.grad(lambda *a, f=f: f(*a).astype(jnp.float32).sum(), (0, 1)))
+        out[name] = tuple(_timed(lambda fn=fn: fn(x, params), args.repeats)[0]
+                          for fn in (jax.jit(f), grad))
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=24)
@@ -120,7 +181,7 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
     rows = {n: measure(n, args) for n in ("default", "invariant")}
-    print(f"# model.numerics: tiny preset, {args.dtype} compute, {args.prompts} prompts x "
+    print(f"# model.numerics: {args.preset} preset, {args.dtype} compute, {args.prompts} prompts x "
           f"{args.group} samples x {args.new_tokens} tokens "
           f"({rows['default']['tokens']} completion tokens); {describe()}")
     print("| numerics | rollout CPU s (wall) | update CPU s (wall) | logprob_diff max | "
@@ -138,6 +199,12 @@ def main(argv=None) -> None:
     print("|---|---|---|")
     for impl, (fwd, both) in attention_cost(args).items():
         print(f"| {impl} | {fwd:.4f} | {both:.4f} |")
+    if get_config(args.preset).num_experts:
+        print(f"\n# one MoE block, {8 * args.row_len} tokens")
+        print("| MoE path | forward CPU s | forward + backward CPU s |")
+        print("|---|---|---|")
+        for name, (fwd, both) in moe_cost(args).items():
+            print(f"| {name} | {fwd:.4f} | {both:.4f} |")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ count. The approach is that of the batch-invariant kernels behind vLLM's and SGL
 deterministic modes (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025:
 fixed tiles, no split reductions), written here with fixed shapes under ``lax.map``.
 
-What the mode does not cover is refused by name (``check_config``, ``check_mesh``): MoE
-layers, a mesh of more than one device, and op choices without an invariant variant.
+MoE layers run their router, experts and combine per row tile too
+(``models.moe.invariant``), so the sampler and the trainer choose the same experts. What
+the mode does not cover is refused by name (``check_config``, ``check_mesh``): a mesh of
+more than one device, and op choices without an invariant variant.
 """
 
 from __future__ import annotations
@@ -41,19 +43,29 @@ ATTENTION = ("auto", "invariant")
 def check_config(cfg) -> None:
     """Check ``cfg.numerics`` and, under ``"invariant"``, what the mode cannot run yet.
 
+    MoE layers run their invariant block (``models.moe.invariant``: dropless, per row
+    tile); ``moe_token_chunk`` only bounds memory and is moot there (the tiles are
+    smaller chunks).
+
     Raises:
-      ValueError: an unknown ``numerics``; under ``"invariant"``, MoE layers
-        (``num_experts > 0``) or an ``attention_impl`` other than ``"auto"`` /
-        ``"invariant"`` (the value named).
+      ValueError: an unknown ``numerics``; under ``"invariant"``, an ``attention_impl``
+        other than ``"auto"`` / ``"invariant"``, an ``expert_dispatch`` other than
+        ``"auto"`` (the all-to-all paths have no invariant variant) or an
+        ``expert_capacity_factor`` (a capacity drops pairs by the other tokens of the
+        batch); the field and its value named.
     """
     if cfg.numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {NUMERICS}, got {cfg.numerics!r}")
     if cfg.numerics != "invariant":
         return
-    if cfg.num_experts:
-        raise ValueError(f"numerics='invariant' covers dense models only; this config has "
-                         f"num_experts={cfg.num_experts} (MoE layers have no invariant "
-                         f"variant yet)")
+    if cfg.num_experts and cfg.expert_dispatch != "auto":
+        raise ValueError(f"numerics='invariant' runs the MoE block per row tile on one "
+                         f"device; expert_dispatch={cfg.expert_dispatch!r} (an all-to-all "
+                         f"path) has no invariant variant: leave it at 'auto'")
+    if cfg.num_experts and cfg.expert_capacity_factor is not None:
+        raise ValueError(f"numerics='invariant' is dropless; expert_capacity_factor="
+                         f"{cfg.expert_capacity_factor!r} drops a token's pairs by the "
+                         f"other tokens of its batch: set it to None")
     if cfg.attention_impl not in ATTENTION:
         raise ValueError(f"numerics='invariant' needs attention_impl in {ATTENTION}; "
                          f"attention_impl={cfg.attention_impl!r} has no invariant variant")

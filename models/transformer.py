@@ -79,8 +79,8 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, positions, segment_ids, kv=None):
         """``x`` ``[B, T, H]`` -> ``(x, kv, RouterStats | None)``; see ``Attention``.
-        Under ``numerics="invariant"`` (a dense layer) everything but the attention runs
-        in row tiles (``models.invariant.row_tiled``)."""
+        Under ``numerics="invariant"`` everything but the attention runs in row tiles
+        (``models.invariant.row_tiled``), the MoE block too (``MoE.tile``)."""
         if self.invariant:
             return self._invariant(x, positions, segment_ids, kv)
         attn, kv = self.self_attn(self.input_layernorm(x), positions, segment_ids, kv)
@@ -94,18 +94,26 @@ class DecoderLayer(nnx.Module):
         return x + out, kv, stats
 
     def _invariant(self, x, positions, segment_ids, kv):
-        attn = self.self_attn
+        attn, moe = self.self_attn, isinstance(self.mlp, MoE)
 
         def pre(x, p):
             return attn.project(self.input_layernorm(x), p)
 
-        def post(x, a):
+        def post(x, a, real):
             x = x + attn.output(a)
-            return x + self.mlp(self.post_attention_layernorm(x))
+            h = self.post_attention_layernorm(x)
+            if moe:  # router, experts and combine on the tile (models.moe.invariant)
+                y, probs, experts = self.mlp.tile(h, real)
+                return x + y, probs, experts
+            return x + self.mlp(h)
 
         q, k, v = row_tiled(pre, x, positions)
         out, kv = attn.attend(q, k, v, positions, segment_ids, kv)
-        return row_tiled(post, x, out), kv, None
+        real = segment_ids != 0
+        if not moe:
+            return row_tiled(post, x, out, real), kv, None
+        x, probs, experts = row_tiled(post, x, out, real)
+        return x, kv, self.mlp.tiled_stats(probs, experts, real)
 
 
 def check_ops(cfg: ModelConfig) -> None:

@@ -41,6 +41,7 @@ from models import context
 from models.config import ModelConfig
 from models.layers import param
 from models.moe.api import routed_experts
+from models.moe.invariant import tile_experts, tile_logits
 from models.moe.reference import dropless_experts
 
 
@@ -77,6 +78,15 @@ def route(logits: jax.Array, top_k: int, norm_topk_prob: bool):
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return probs, weights, experts.astype(jnp.int32)
+
+
+def router_stats(probs: jax.Array, experts: jax.Array, token_mask: jax.Array,
+                 dropped: jax.Array) -> RouterStats:
+    """``RouterStats`` of ``probs`` float32 ``[T, E]`` and ``experts`` int32 ``[T, k]``,
+    counting the tokens of bool ``token_mask [T]`` only; ``dropped`` the scalar count."""
+    m = token_mask.astype(jnp.float32)
+    onehot = jax.nn.one_hot(experts, probs.shape[-1], dtype=jnp.float32).sum(axis=1)
+    return RouterStats(m @ onehot, m @ probs, jnp.sum(m), dropped)
 
 
 class MoE(nnx.Module):
@@ -143,10 +153,40 @@ class MoE(nnx.Module):
                 overflow=self.overflow, token_mask=mask,
                 token_axes=context.token_axes(mesh) if c > 1 else None)
             dropped = jnp.sum(lost, dtype=jnp.float32)
-        m = mask.astype(jnp.float32)
-        onehot = jax.nn.one_hot(experts, probs.shape[-1], dtype=jnp.float32).sum(axis=1)
-        stats = RouterStats(m @ onehot, m @ probs, jnp.sum(m), dropped)
+        stats = router_stats(probs, experts, mask, dropped)
         return context.from_token_major(y.reshape(shape), c), stats
+
+    def tile(self, x: jax.Array, token_mask: jax.Array):
+        """The block on one row tile under ``numerics="invariant"``
+        (``models.moe.invariant``; called by ``models.invariant.row_tiled``).
+
+        Args:
+          x: ``[t, H]`` normed hidden states (``t = models.invariant.ROW_TILE``).
+          token_mask: bool ``[t]``: the real tokens (the others' output is 0, selected).
+
+        Returns:
+          ``(y [t, H] compute dtype, probs [t, E] float32, experts [t, k] int32)``.
+        """
+        dt = self.dtype
+        x = x.astype(dt)
+        probs, weights, experts = route(tile_logits(x, self.router[...].astype(dt)),
+                                        self.top_k, self.norm_topk_prob)
+        y = tile_experts(x, experts, weights, self.gate_proj[...].astype(dt),
+                         self.up_proj[...].astype(dt), self.down_proj[...].astype(dt))
+        return jnp.where(token_mask[:, None], y, jnp.zeros_like(y)), probs, experts
+
+    def tiled_stats(self, probs: jax.Array, experts: jax.Array, token_mask: jax.Array
+                    ) -> RouterStats:
+        """After ``tile`` over all rows: the ``RouterStats`` of ``probs [B, T, E]`` over
+        the real tokens (``token_mask [B, T]``), as ``__call__``'s (nothing is dropped).
+        Inside ``nnx.capture(model, nnx.Intermediate)`` the chosen experts (int32
+        ``[B, T, k]``) are sown as ``"experts"``, so the routing of two forwards can be
+        compared; elsewhere (the engines' traced loops) nothing is recorded."""
+        if hasattr(self, "__captures__"):  # set by nnx.capture for the call (flax 0.12)
+            self.sow(nnx.Intermediate, "experts", experts)
+        k, e = experts.shape[-1], probs.shape[-1]
+        return router_stats(probs.reshape(-1, e), experts.reshape(-1, k),
+                            token_mask.reshape(-1), jnp.zeros((), jnp.float32))
 
 
 def load_balancing_loss(stats: list[RouterStats]) -> jax.Array:

@@ -42,15 +42,16 @@ ENGINES = {"reference": {"engine": "reference"},
 
 
 @functools.cache
-def _policy(dtype: str, numerics: str):
-    cfg = get_config("tiny", dtype=dtype, tie_word_embeddings=False, numerics=numerics)
+def _policy(dtype: str, numerics: str, preset: str = "tiny"):
+    cfg = get_config(preset, dtype=dtype, tie_word_embeddings=False, numerics=numerics)
     model = random_model(cfg, seed=3)
     return state.ModelDef.of(model.cfg), state.params_of(model)
 
 
 @functools.cache
-def _generator(dtype: str, numerics: str, engine: str) -> rollout.Generator:
-    mdef, _ = _policy(dtype, numerics)
+def _generator(dtype: str, numerics: str, engine: str, preset: str = "tiny"
+               ) -> rollout.Generator:
+    mdef, _ = _policy(dtype, numerics, preset)
     return rollout.Generator(mdef, max_new_tokens=T, stop_ids=STOPS, num_valid=500,
                              decode_chunk=3, rung_multiple=4, **ENGINES[engine])
 
@@ -73,11 +74,11 @@ def _scorer(mdef):
     return score
 
 
-def _trainer_logprobs(dtype, numerics, prompts, roll, temperature):
+def _trainer_logprobs(dtype, numerics, prompts, roll, temperature, preset="tiny"):
     """The trainer's log-probs of every completion, as the sampler's ``[B, T]`` layout:
     the sequences packed into rows of 96 tokens, two micro-batches of rows, each with the
     bucket of its own kept tokens."""
-    mdef, params = _policy(dtype, numerics)
+    mdef, params = _policy(dtype, numerics, preset)
     completions = [roll.completion(i) for i in range(len(roll.lengths))]
     batch = packing.pack([prompts[i // G] for i in range(len(completions))], completions,
                          96, row_multiple=2)
@@ -94,11 +95,11 @@ def _trainer_logprobs(dtype, numerics, prompts, roll, temperature):
     return out
 
 
-def _rollout(dtype, numerics, engine, temperature):
-    _, params = _policy(dtype, numerics)
+def _rollout(dtype, numerics, engine, temperature, preset="tiny"):
+    _, params = _policy(dtype, numerics, preset)
     prompts = _prompts()
     budgets = np.tile([T, T - 3], len(prompts))  # per-row budgets
-    roll = _generator(dtype, numerics, engine)(
+    roll = _generator(dtype, numerics, engine, preset)(
         params, prompts, jax.random.key(1), temperature=temperature, group_size=G,
         max_new_tokens=budgets)
     return prompts, roll
@@ -187,11 +188,6 @@ def test_attention_matches_the_dense_reference():
 def test_check_ops_refuses_what_the_mode_cannot_run(overrides, named):
     with pytest.raises(ValueError, match=named):
         check_ops(get_config("tiny", **overrides))
-
-
-def test_moe_is_refused_by_name():
-    with pytest.raises(ValueError, match="num_experts"):
-        check_ops(get_config("tiny-moe", numerics="invariant"))
 
 
 def test_multi_device_mesh_is_refused():
