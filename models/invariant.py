@@ -149,12 +149,16 @@ def row_tiled(fn: Callable, *xs: jax.Array, lead: int = 2, tile: int = ROW_TILE,
     ``nnx.Module`` s ``fn`` reads, as there).
 
     Args:
-      fn: ``fn(*tiles) -> pytree`` of arrays: ``[tile, ...]`` in, ``[tile, ...]`` out, row
-        ``i`` of each output a function of row ``i`` of the inputs only.
+      fn: ``fn(*modules, *tiles) -> pytree`` of arrays: ``[tile, ...]`` in, ``[tile,
+        ...]`` out, row ``i`` of each output a function of row ``i`` of the inputs only.
       xs: arrays whose first ``lead`` dimensions are the same (e.g. ``[B, T, H]`` hidden
         states and ``[B, T]`` positions with ``lead=2``): the token rows.
       lead: how many leading dimensions index the rows.
       tile: rows per tile.
+      split_tokens: ``[B, T]`` rows whose tokens the mesh splits over ``context`` (the
+        trainer's forward; ``shard_axes``).
+      modules: the ``nnx.Module`` s ``fn`` reads its parameters from, passed to it first
+        (on a mesh, rebuilt inside ``jax.shard_map``: ``on_shards``).
 
     The rows (the ``lead`` dimensions flattened) are padded with zeros to a multiple of
     ``tile`` and mapped with ``jax.lax.map`` over ``[rows / tile, tile, ...]``, so ``fn``

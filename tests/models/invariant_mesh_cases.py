@@ -14,10 +14,10 @@ from tests.models.kv_replication_cases import relative
 from tests.models.padding_cases import packed_batch, step_outputs
 from train.placement import Placement
 
-#: The rows over fsdp x expert (a dense model: expert is one more batch axis).
-FSDP_EXPERT = {"fsdp": 2, "expert": 4}
-#: The rows over data x fsdp, a row's tokens over context (the trainer's side).
-CONTEXT = {"data": 2, "fsdp": 2, "context": 2}
+#: The rows over data x fsdp x expert (a dense model: expert is one more batch axis).
+FSDP_EXPERT = {"data": 2, "fsdp": 2, "expert": 2}
+#: The rows over fsdp x expert, a row's tokens over context (the trainer's side).
+CONTEXT = {"fsdp": 2, "expert": 2, "context": 2}
 
 
 def _compare(dtype, engine, temperature, mesh, truncation=None) -> dict:

@@ -4,9 +4,9 @@ trainer's side)"): the sampler's log-probs of G = 2 completions of uneven prompt
 the trainer's (packed rows, two micro-batches, a bucket per shard) bit for bit,
 ``np.array_equal``:
 
-* float32, the ``compact`` engine, sampled, rows over fsdp=2 x expert=4;
+* float32, the ``compact`` engine, sampled, rows over data=2 x fsdp=2 x expert=2;
 * bf16, the ``reference`` engine, truncated draws (top-k, top-p and min-p), rows over
-  data=2 x fsdp=2 and the trainer's rows split over context=2;
+  fsdp=2 x expert=2 and the trainer's rows split over context=2;
 
 and both equal what one device computes in the same process (the results do not depend
 on the device count); the trainer's GRPO step on the context mesh gives one device's
