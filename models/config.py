@@ -99,11 +99,11 @@ class ModelConfig:
     it; a token's results move by float rounding with the batch it is computed in) or
     ``"invariant"`` (``models.invariant``: every per-token op on row tiles of one shape,
     ``attention_impl`` ``"invariant"``, the head's log-probs tiled alike, so the sampler's
-    log-probs of a completion equal the trainer's bit for bit; MoE layers route and run
-    their experts per tile, ``models.moe.invariant``; on one device only: an explicit
-    other ``attention_impl``, for MoE an explicit ``expert_dispatch`` or a capacity
-    factor, and a multi-device mesh are refused by name). Checked where the model is
-    built, with the other op choices.
+    log-probs of a completion equal the trainer's bit for bit, on one device or over the
+    batch axes and ``context`` of a mesh; MoE layers route and run their experts per
+    tile, ``models.moe.invariant``; an explicit other ``attention_impl``, for MoE an
+    explicit ``expert_dispatch`` or a capacity factor, and a ``tensor`` axis are refused
+    by name). Checked where the model is built, with the other op choices.
 
     Head: ``final_logit_softcapping`` (Gemma 2 style ``c * tanh(z / c)`` on the logits,
     forwarded to jaxhead) or None.

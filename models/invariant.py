@@ -14,21 +14,33 @@ deterministic modes (Thinking Machines, "Defeating Nondeterminism in LLM Inferen
 fixed tiles, no split reductions), written here with fixed shapes under ``lax.map``.
 
 MoE layers run their router, experts and combine per row tile too
-(``models.moe.invariant``), so the sampler and the trainer choose the same experts. What
-the mode does not cover is refused by name (``check_config``, ``check_mesh``): a mesh of
-more than one device, and op choices without an invariant variant.
+(``models.moe.invariant``), so the sampler and the trainer choose the same experts.
+
+On a mesh (``on_shards``) every one of these computations runs inside ``jax.shard_map``:
+each device takes its own rows (split over the batch axes ``data`` / ``fsdp`` /
+``expert``, and a row's tokens over ``context`` where the trainer splits them), the
+weights are all-gathered (fsdp's gather; for MoE layers every expert's, so the mode keeps
+no expert parallelism) and the device runs the one-device code on them, so no matmul is
+ever split over its contraction dimension and a token's result is the one-device result.
+A ``tensor`` axis would split the heads' and the MLP's contractions (split-K): refused.
+
+What the mode does not cover is refused by name (``check_config``, ``check_mesh``): a
+``tensor`` axis, and op choices without an invariant variant.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import jaxhead
+from models.mesh import BATCH_AXES, CONTEXT_AXIS
 
 #: ``ModelConfig.numerics`` values.
 NUMERICS = ("default", "invariant")
@@ -72,27 +84,94 @@ def check_config(cfg) -> None:
 
 
 def check_mesh(mesh) -> None:
-    """Refuse a mesh of more than one device under ``numerics="invariant"``.
+    """Refuse a mesh the mode cannot run on: one with a ``tensor`` axis of more than one
+    device (it splits the attention heads' and the MLP's matmuls over their contraction
+    dimension on one side and not the other: split-K sums in another order). The batch
+    axes and ``context`` are covered (``on_shards``).
 
     Raises:
-      ValueError: ``mesh`` (a ``jax.sharding.Mesh`` or None) has more than one device.
+      ValueError: ``mesh`` (a ``jax.sharding.Mesh`` / ``AbstractMesh`` or None) has
+        ``tensor > 1`` (its shape named).
     """
-    if mesh is not None and mesh.size > 1:
-        raise ValueError(f"numerics='invariant' runs on one device; the mesh in context has "
-                         f"{mesh.size} ({dict(mesh.shape)}): sharded matmuls and the "
-                         f"context axis have no invariant variant yet")
+    if mesh is not None and dict(mesh.shape).get("tensor", 1) > 1:
+        raise ValueError(f"numerics='invariant' cannot split matmuls over a tensor axis: the "
+                         f"mesh has tensor={dict(mesh.shape)['tensor']} ({dict(mesh.shape)}); "
+                         f"use the batch axes (data, fsdp, expert) or context instead")
 
 
-def row_tiled(fn: Callable, *xs: jax.Array, lead: int = 2, tile: int = ROW_TILE):
-    """``fn`` applied to ``xs`` in row tiles of one shape.
+def shard_axes(split_tokens: bool = False) -> tuple | None:
+    """The mesh axes ``on_shards`` splits a ``[B, T, ...]`` array's two leading dimensions
+    over under the mesh in context: ``(rows, tokens)``, rows over the batch axes of more
+    than one device, tokens over ``context`` when ``split_tokens`` (the trainer's packed
+    rows; a decode step's and a prefill's tokens are whole on every ``context`` device).
+    None: no mesh of more than one free (not manual) device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    free = {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes,
+                                                    mesh.axis_types)
+            if kind != jax.sharding.AxisType.Manual and size > 1}
+    if not free:
+        return None
+    rows = tuple(a for a in BATCH_AXES if a in free) or None
+    tokens = CONTEXT_AXIS if split_tokens and CONTEXT_AXIS in free else None
+    return rows, tokens
+
+
+def on_shards(fn: Callable, *xs, lead: int = 1, split_tokens: bool = False,
+              replicated: tuple = (), modules: tuple = ()):
+    """``fn(*modules, *xs, *replicated)`` run per device inside ``jax.shard_map`` under the
+    mesh in context (every free axis manual), each ``xs`` array of rank >= ``lead`` split
+    along its leading dimension over the batch axes (and, with ``lead=2`` and
+    ``split_tokens``, its second over ``context``; ``shard_axes``), scalars, None and
+    ``replicated`` whole on every device; ``fn``'s outputs split like ``xs``. The
+    parameters of ``modules`` (``nnx.Module`` s) enter whole too (all-gathered: fsdp's
+    gather) and ``fn`` gets the modules rebuilt from them inside the manual region (an
+    array ``fn`` closes over instead would have its gradient formed there, which JAX
+    refuses). Each device thus runs the one-device computation of its own rows. Without
+    such a mesh: ``fn(*modules, *xs, *replicated)``.
+
+    Raises:
+      ValueError: (``jax.shard_map``) a leading dimension that does not split evenly.
+    """
+    axes = shard_axes(split_tokens)
+    if axes is None:
+        return fn(*modules, *xs, *replicated)
+    mesh = jax.sharding.get_abstract_mesh()
+    spec, whole = jax.sharding.PartitionSpec(*axes[:lead]), jax.sharding.PartitionSpec()
+    graph, state = nnx.split(modules)
+    leaves, tree = jax.tree.flatten(state)
+    n, r = len(xs), len(replicated)
+
+    def body(*args):
+        local = nnx.merge(graph, jax.tree.unflatten(tree, args[n + r:]))
+        return fn(*local, *args[:n + r])
+
+    specs = tuple(None if x is None else spec if jnp.ndim(x) >= lead else whole
+                  for x in xs) + (whole,) * (r + len(leaves))
+    names = {a for a, k in zip(mesh.axis_names, mesh.axis_types)
+             if k != jax.sharding.AxisType.Manual}
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=spec, axis_names=names,
+                         check_vma=False)(*xs, *replicated, *leaves)
+
+
+def row_tiled(fn: Callable, *xs: jax.Array, lead: int = 2, tile: int = ROW_TILE,
+              split_tokens: bool = False, modules: tuple = ()):
+    """``fn(*modules, *tiles)`` applied to ``xs`` in row tiles of one shape (on a mesh,
+    each device its own rows: ``on_shards``, ``split_tokens`` and ``modules``, the
+    ``nnx.Module`` s ``fn`` reads, as there).
 
     Args:
-      fn: ``fn(*tiles) -> pytree`` of arrays: ``[tile, ...]`` in, ``[tile, ...]`` out, row
-        ``i`` of each output a function of row ``i`` of the inputs only.
+      fn: ``fn(*modules, *tiles) -> pytree`` of arrays: ``[tile, ...]`` in, ``[tile,
+        ...]`` out, row ``i`` of each output a function of row ``i`` of the inputs only.
       xs: arrays whose first ``lead`` dimensions are the same (e.g. ``[B, T, H]`` hidden
         states and ``[B, T]`` positions with ``lead=2``): the token rows.
       lead: how many leading dimensions index the rows.
       tile: rows per tile.
+      split_tokens: ``[B, T]`` rows whose tokens the mesh splits over ``context`` (the
+        trainer's forward; ``shard_axes``).
+      modules: the ``nnx.Module`` s ``fn`` reads its parameters from, passed to it first
+        (on a mesh, rebuilt inside ``jax.shard_map``: ``on_shards``).
 
     The rows (the ``lead`` dimensions flattened) are padded with zeros to a multiple of
     ``tile`` and mapped with ``jax.lax.map`` over ``[rows / tile, tile, ...]``, so ``fn``
@@ -104,6 +183,13 @@ def row_tiled(fn: Callable, *xs: jax.Array, lead: int = 2, tile: int = ROW_TILE)
     Raises:
       ValueError: the arrays' leading dimensions differ (shapes named).
     """
+    m = len(modules)
+    return on_shards(
+        lambda *a: _row_tiled(functools.partial(fn, *a[:m]), *a[m:], lead=lead, tile=tile),
+        *xs, lead=min(lead, 2), split_tokens=split_tokens, modules=modules)
+
+
+def _row_tiled(fn: Callable, *xs: jax.Array, lead: int, tile: int):
     dims = xs[0].shape[:lead]
     if any(x.shape[:lead] != dims for x in xs):
         raise ValueError(f"row_tiled: the first {lead} dimensions differ: "
@@ -127,7 +213,8 @@ def pad_rows(x: jax.Array, rows: int, value=0) -> jax.Array:
 
 
 def head_logprobs(lm_head, hidden: jax.Array, labels: jax.Array, keep, *, temperature,
-                  bucket: int | None = None, with_entropy: bool = True
+                  bucket: int | None = None, with_entropy: bool = True,
+                  min_logit: jax.Array | None = None, split_tokens: bool = False
                   ) -> jaxhead.HeadOutput:
     """The head's float32 log-probs (and entropy) of ``labels``, computed the one way both
     the trainer (``Transformer.token_logprobs``) and the sampler
@@ -139,14 +226,19 @@ def head_logprobs(lm_head, hidden: jax.Array, labels: jax.Array, keep, *, temper
     VOCAB_CHUNK)``: the kept rows are compacted into the bucket (a gather, also when every
     row is kept) and go through ``[ROW_TILE, H] x [H, VOCAB_CHUNK]`` tiles, whatever the
     batch, the bucket or the row they sit in. The entropy is always computed (its flag
-    changes the compiled tile) and returned only ``with_entropy``.
+    changes the compiled tile) and returned only ``with_entropy``. On a mesh each device
+    does this for its own rows (``on_shards``; the head's weight all-gathered), and
+    ``bucket`` is a shard's.
 
     Args:
       lm_head: the model's ``jaxhead.LMHead``.
       hidden: ``[..., H]``; labels: int ``[...]``; keep: bool ``[...]`` or None (all).
       temperature: scalar or float ``[...]`` (> 0).
       bucket: as ``jaxhead.token_logprobs`` (None: chosen on the host from a concrete
-        ``keep``); rounded up to a multiple of ``ROW_TILE``.
+        ``keep``, on one device); rounded up to a multiple of ``ROW_TILE``.
+      min_logit: None, or float32 ``[...]``: each label's truncated sampling support, as
+        ``jaxhead.token_logprobs`` (``-inf``: the whole softmax).
+      split_tokens: ``[B, S]`` rows whose tokens are split over ``context`` (``on_shards``).
 
     Returns:
       ``jaxhead.HeadOutput`` float32 ``[...]`` (0 where not kept).
@@ -155,17 +247,33 @@ def head_logprobs(lm_head, hidden: jax.Array, labels: jax.Array, keep, *, temper
       ValueError / TypeError: as ``jaxhead.token_logprobs``.
     """
     shape = labels.shape
+    keep = jnp.ones(shape, bool) if keep is None else keep
+    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), shape)
+    weight = lm_head.weight(lm_head.dtype or hidden.dtype)  # passed whole, not closed over
+
+    def local(hidden, labels, keep, t, min_logit, weight):
+        return _head_logprobs(lm_head, weight, hidden, labels, keep, t, bucket, min_logit)
+
+    out = on_shards(local, hidden, labels, keep, t, min_logit, lead=min(len(shape), 2),
+                    split_tokens=split_tokens, replicated=(weight,))
+    return jaxhead.HeadOutput(out.logprobs, out.entropy if with_entropy else None)
+
+
+def _head_logprobs(lm_head, weight, hidden, labels, keep, temperature, bucket, min_logit
+                   ) -> jaxhead.HeadOutput:
+    """``head_logprobs`` on one device (``keep``, ``temperature`` of ``labels``' shape;
+    ``weight``: ``lm_head``'s in the compute dtype)."""
+    shape = labels.shape
     n = math.prod(shape)
-    dtype = lm_head.dtype or hidden.dtype
     rows = -(-max(n, 1) // ROW_TILE) * ROW_TILE
-    h = pad_rows(hidden.reshape(n, hidden.shape[-1]).astype(dtype), rows)
+    h = pad_rows(hidden.reshape(n, hidden.shape[-1]).astype(weight.dtype), rows)
     y = pad_rows(labels.reshape(n), rows)
     # always a keep mask: the rows reach the head through jaxhead's compaction (a gather
     # at indices computed at run time), never as a padded array the compiler could narrow
-    keep = jnp.ones(shape, bool) if keep is None else keep
     k = pad_rows(keep.reshape(n), rows, False)
-    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), shape).reshape(n)
-    t = pad_rows(t, rows, 1.0)
+    t = pad_rows(temperature.reshape(n), rows, 1.0)
+    if min_logit is not None:
+        min_logit = pad_rows(jnp.asarray(min_logit, jnp.float32).reshape(n), rows, -jnp.inf)
     if bucket is None:
         try:
             bucket = jaxhead.bucket_size(int(np.count_nonzero(np.asarray(k))), rows)
@@ -173,10 +281,9 @@ def head_logprobs(lm_head, hidden: jax.Array, labels: jax.Array, keep, *, temper
             bucket = rows
     bucket = min(-(-int(bucket) // ROW_TILE) * ROW_TILE, rows)
     out = jaxhead.token_logprobs(
-        h, lm_head.weight(h.dtype), y, k, temperature=t, softcap=lm_head.softcap,
+        h, weight, y, k, temperature=t, softcap=lm_head.softcap,
         with_entropy=True, bucket=bucket, impl="xla",
         config=jaxhead.XlaConfig(token_chunk=ROW_TILE, vocab_chunk=VOCAB_CHUNK),
-        weight_layout=lm_head.weight_layout, ignore_index=None)
-    logp = out.logprobs[:n].reshape(shape)
-    ent = out.entropy[:n].reshape(shape) if with_entropy else None
-    return jaxhead.HeadOutput(logp, ent)
+        weight_layout=lm_head.weight_layout, ignore_index=None, min_logit=min_logit)
+    return jaxhead.HeadOutput(out.logprobs[:n].reshape(shape),
+                              out.entropy[:n].reshape(shape))

@@ -94,25 +94,26 @@ class DecoderLayer(nnx.Module):
         return x + out, kv, stats
 
     def _invariant(self, x, positions, segment_ids, kv):
-        attn, moe = self.self_attn, isinstance(self.mlp, MoE)
+        moe = isinstance(self.mlp, MoE)
 
-        def pre(x, p):
-            return attn.project(self.input_layernorm(x), p)
+        def pre(layer, x, p):
+            return layer.self_attn.project(layer.input_layernorm(x), p)
 
-        def post(x, a, real):
-            x = x + attn.output(a)
-            h = self.post_attention_layernorm(x)
+        def post(layer, x, a, real):
+            x = x + layer.self_attn.output(a)
+            h = layer.post_attention_layernorm(x)
             if moe:  # router, experts and combine on the tile (models.moe.invariant)
-                y, probs, experts = self.mlp.tile(h, real)
+                y, probs, experts = layer.mlp.tile(h, real)
                 return x + y, probs, experts
-            return x + self.mlp(h)
+            return x + layer.mlp(h)
 
-        q, k, v = row_tiled(pre, x, positions)
-        out, kv = attn.attend(q, k, v, positions, segment_ids, kv)
+        split = kv is None  # training: a row's tokens may be split over context
+        q, k, v = row_tiled(pre, x, positions, split_tokens=split, modules=(self,))
+        out, kv = self.self_attn.attend(q, k, v, positions, segment_ids, kv)
         real = segment_ids != 0
         if not moe:
-            return row_tiled(post, x, out, real), kv, None
-        x, probs, experts = row_tiled(post, x, out, real)
+            return row_tiled(post, x, out, real, split_tokens=split, modules=(self,)), kv, None
+        x, probs, experts = row_tiled(post, x, out, real, split_tokens=split, modules=(self,))
         return x, kv, self.mlp.tiled_stats(probs, experts, real)
 
 
@@ -275,7 +276,8 @@ class Transformer(nnx.Module):
         zero = jnp.zeros((), jnp.float32)
         aux = load_balancing_loss(stats) if stats else zero
         dropped = dropped_fraction(stats, self.cfg.num_experts_per_tok) if stats else zero
-        hidden = row_tiled(self.norm, x) if self.invariant else self.norm(x)
+        hidden = (row_tiled(lambda norm, x: norm(x), x, split_tokens=cache is None,
+                            modules=(self.norm,)) if self.invariant else self.norm(x))
         if overflow is not None:  # traced index past the cache: NaN, never a wrong value
             hidden = jnp.where(overflow, jnp.nan, hidden)
         return DecoderOutput(hidden, cache, aux, dropped)
@@ -350,7 +352,9 @@ class Transformer(nnx.Module):
         (``jaxhead.token_logprobs``). Traced under a multi-device mesh (``jax.set_mesh``,
         e.g. ``models.jit_sharded``) it is ``self.lm_head.sharded``: the tokens split over
         ``token_axes`` and each shard compacts its own kept tokens into ``bucket`` slots
-        (``jaxhead.bucket_for_shards`` picks it on the host).
+        (``jaxhead.bucket_for_shards`` picks it on the host). Under ``numerics=
+        "invariant"`` it is ``models.invariant.head_logprobs``, the sampler's, on one
+        device or per shard (a shard: its rows' ``S / C`` tokens; ``token_axes`` unused).
 
         Args:
           tokens, positions, segment_ids: int ``[B, S]`` (see ``__call__``).
@@ -375,14 +379,11 @@ class Transformer(nnx.Module):
           ValueError / TypeError: as ``jaxhead.token_logprobs`` and ``__call__``.
         """
         mesh = active_mesh()
-        if self.invariant:  # the sampler's tiles (models.invariant.head_logprobs)
-            if min_logit is not None:
-                raise ValueError("numerics='invariant' scores untruncated draws only; got a "
-                                 "min_logit (a truncated sampling support)")
+        if self.invariant and mesh is None:  # the sampler's tiles (head_logprobs)
             out = self(tokens, positions, segment_ids)
             head = head_logprobs(self.lm_head, out.hidden, labels, keep,
                                  temperature=temperature, bucket=bucket,
-                                 with_entropy=with_entropy)
+                                 with_entropy=with_entropy, min_logit=min_logit)
             return head, out
         if mesh is None:
             out = self(tokens, positions, segment_ids)
@@ -400,6 +401,17 @@ class Transformer(nnx.Module):
             context.constrain_tokens(context.balance(x, c), mesh)
             for x in (tokens, positions, segment_ids))
         out = self(tokens, positions, segment_ids)
+        if self.invariant:  # each device its own [B, S / C] block, on the sampler's tiles
+            def balanced(x):
+                return None if x is None else context.balance(jnp.asarray(x), c)
+
+            if jnp.ndim(temperature) == 2:
+                temperature = balanced(temperature)
+            head = head_logprobs(self.lm_head, out.hidden, balanced(labels), balanced(keep),
+                                 temperature=temperature, bucket=bucket,
+                                 with_entropy=with_entropy, min_logit=balanced(min_logit),
+                                 split_tokens=True)
+            return jax.tree.map(lambda x: context.unbalance(x, c), head), out
         if jnp.ndim(temperature) == 2:
             temperature = to_head(jnp.asarray(temperature))
         axes = context.token_axes(mesh) if token_axes is None else tuple(token_axes)

@@ -338,22 +338,32 @@ def _context_rows(cfg) -> list[tuple[str, str]]:
 
 
 def _invariant_numerics(cfg) -> list[tuple[str, str]]:
-    """``model.numerics = "invariant"`` (``models.invariant``) runs untruncated draws on
-    one device, and makes the sampler's log-probs the trainer's bit for bit: an importance
-    ratio of exactly 1, so the mismatch corrections have nothing to correct."""
+    """``model.numerics = "invariant"`` (``models.invariant``) makes the sampler's log-probs
+    the trainer's bit for bit: an importance ratio of exactly 1, so the mismatch
+    corrections have nothing to correct. It runs on the batch axes and ``context``, not on
+    a ``tensor`` axis (``models.invariant.check_mesh``), and scores a truncated draw on its
+    sampler's support only (the full-softmax log-prob ``logprobs + logmass`` is the
+    trainer's to rounding: ``models.generate.api.draw``)."""
     if cfg.model.overrides.get("numerics") != "invariant":
         return []
     mode = "model.numerics='invariant'"
-    truncation = (f"{mode} draws untruncated only (no invariant top-k / top-p / min-p "
-                  f"yet): leave rollout.{{}} at {{}}")
-    mesh = (f"{mode} runs on one device (no invariant sharded matmul or context axis "
-            f"yet): set mesh.{{}} to 1")
     unnecessary = (f"unnecessary with {mode}: the sampler's log-probs are the trainer's "
                    f"bit for bit (every importance ratio is exactly 1); set loss.{{}} to 0")
-    out = [(f"rollout.{key}", truncation.format(key, off))
-           for key, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))
-           if cfg.rollout[key] != off]
-    out += [(f"mesh.{axis}", mesh.format(axis)) for axis in AXES if cfg.mesh[axis] > 1]
+    from jax.sharding import AbstractMesh
+
+    from models.invariant import check_mesh
+
+    out = []
+    try:  # a size of -1 (the devices left over) checked as 1
+        check_mesh(AbstractMesh(tuple(max(int(cfg.mesh[a]), 1) for a in AXES), AXES))
+    except ValueError as err:
+        out.append(("mesh.tensor", str(err)))
+    r = cfg.rollout
+    truncated = rollout.Truncation(int(r.top_k), float(r.top_p), float(r.min_p)).active
+    if truncated and cfg.loss.logprob_support != "sampler":
+        why = (f"{mode} with truncated draws makes the sampler's log-probs the trainer's "
+               f"on the sampler's support only: set it to 'sampler'")
+        out.append(("loss.logprob_support", why))
     out += [(f"loss.{key}", unnecessary.format(key))
             for key in ("tis_cap", "mask_ratio_low", "mask_ratio_high") if cfg.loss[key] > 0]
     return out

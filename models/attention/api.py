@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhead import dispatch
 from jaxhead.dispatch import KernelUnsupported
-from models.attention import invariant
+from models.attention import invariant_mesh
 from models.attention.base import check_packing
 from models.attention.context import context_attention
 from models.attention.pallas_gpu import pallas_gpu_attention
@@ -124,7 +124,7 @@ def _xla_chunked(plan, q, k, v, positions, segment_ids, scale):
 
 
 def _invariant(plan, q, k, v, positions, segment_ids, scale):
-    return invariant.self_attention(q, k, v, positions, segment_ids, scale=scale)
+    return invariant_mesh.self_attention(q, k, v, positions, segment_ids, scale=scale)
 
 
 def _dense(plan, q, k, v, positions, segment_ids, scale):
@@ -257,7 +257,7 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arr
     REGISTRY.check_name(impl)
     args = (q, k, v, positions, segment_ids, kv_positions, kv_segment_ids)
     if impl == "invariant":
-        return invariant.cache_attention(*args, scale=scale)
+        return invariant_mesh.cache_attention(*args, scale=scale)
     if impl == "dense" or q.shape[1] == 1:
         return dense_attention(*args, scale=scale)
     return chunked_attention(*args, scale=scale)

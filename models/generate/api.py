@@ -131,45 +131,51 @@ def draw(model, hidden: jax.Array, key: jax.Array, step, temperature, trunc,
     when the rows are at different steps.
 
     Under ``numerics="invariant"`` (``models.invariant``) the draw runs on row tiles of one
-    shape (the same request draws the same token in any batch) and the recorded log-prob is
+    shape, truncated or not (the same request draws the same token in any batch; on a mesh
+    each device draws its own rows), and the recorded log-prob is
     ``models.invariant.head_logprobs`` of the drawn token at the sampling temperature (1
-    when greedy): the value the trainer's forward computes for it, bit for bit.
-
-    Raises:
-      ValueError: truncated sampling under ``numerics="invariant"`` (no invariant variant).
+    when greedy), on the support it was drawn from when truncated (``min_logit``, the
+    tile's threshold): the value the trainer's forward computes for it
+    (``Transformer.token_logprobs`` with that ``min_logit``, ``loss.logprob_support =
+    "sampler"``), bit for bit. ``logmass`` is then the tile's own (``jaxhead.sample``'s),
+    for the truncated-mass metric: ``logprobs + logmass`` is the full-softmax log-prob only
+    to rounding.
     """
     dtype = model.lm_head.dtype or hidden.dtype
     kw = dict(zip(Truncation._fields, trunc)) if d.truncated else {}
     keys = request_key(key, request, sample, step)
     if model.cfg.numerics == "invariant":
-        if d.truncated:
-            raise ValueError("numerics='invariant' draws untruncated only: top_k / top_p / "
-                             "min_p have no invariant variant yet")
-        return _invariant_draw(model, hidden.astype(dtype), keys, temperature, d)
+        return _invariant_draw(model, hidden.astype(dtype), keys, temperature, kw, d)
     return jaxhead.sample(hidden.astype(dtype), model.lm_head.weight(dtype),
                           keys, temperature=temperature,
                           softcap=model.lm_head.softcap, num_valid=d.num_valid,
                           weight_layout=model.lm_head.weight_layout, **kw)
 
 
-def _invariant_draw(model, hidden, keys, temperature, d: Decoding) -> jaxhead.Sample:
-    """``draw`` under ``numerics="invariant"``: tokens from row tiles, log-probs from
-    ``head_logprobs``."""
+def _invariant_draw(model, hidden, keys, temperature, truncation: dict, d: Decoding
+                    ) -> jaxhead.Sample:
+    """``draw`` under ``numerics="invariant"``: tokens (and a truncated draw's support) from
+    row tiles, log-probs from ``head_logprobs``."""
     head = model.lm_head
     weight = head.weight(hidden.dtype)
 
-    def tile(h, rows):
-        return jaxhead.sample(h, weight, jnp.take(keys, rows, axis=0),
-                              temperature=temperature, softcap=head.softcap,
-                              num_valid=d.num_valid, weight_layout=head.weight_layout).tokens
+    def tile(h, rows):  # the weight closed over: a draw has no gradient
+        out = jaxhead.sample(h, weight, jnp.take(keys, rows, axis=0),
+                             temperature=temperature, softcap=head.softcap,
+                             num_valid=d.num_valid, weight_layout=head.weight_layout,
+                             **truncation)
+        return out.tokens, out.min_logit, out.logmass
 
     rows = jnp.arange(hidden.shape[0], dtype=jnp.int32)
-    tokens = row_tiled(tile, hidden, rows, lead=1)
+    tokens, min_logit, logmass = row_tiled(tile, hidden, rows, lead=1)
     t = jnp.asarray(temperature, jnp.float32)
+    if not d.truncated:  # the whole softmax: no support, all of its mass
+        min_logit = jnp.full(tokens.shape, -jnp.inf, jnp.float32)
+        logmass = jnp.zeros(tokens.shape, jnp.float32)
     logp = head_logprobs(head, hidden, tokens, None, temperature=jnp.where(t > 0, t, 1.0),
-                         with_entropy=False).logprobs
-    ninf = jnp.full(tokens.shape, -jnp.inf, jnp.float32)
-    return jaxhead.Sample(tokens, logp, ninf, jnp.zeros(tokens.shape, jnp.float32))
+                         with_entropy=False,
+                         min_logit=min_logit if d.truncated else None).logprobs
+    return jaxhead.Sample(tokens, logp, min_logit, logmass)
 
 
 def empty_record(rows: int, steps: int) -> tuple[jax.Array, ...]:

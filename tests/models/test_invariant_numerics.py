@@ -29,6 +29,7 @@ from models.transformer import check_ops
 from tests.models.test_attention import packed
 from tests.support.models import random_model
 from train import packing, rollout, state
+from train.placement import place_batch
 
 T, G, PAGE = 8, 2, 4
 KB = inv_attention.KEY_BLOCK
@@ -48,12 +49,17 @@ def _policy(dtype: str, numerics: str, preset: str = "tiny"):
     return state.ModelDef.of(model.cfg), state.params_of(model)
 
 
+#: A truncated draw: top-k, top-p and min-p at once (the support is their intersection).
+TRUNCATION = rollout.Truncation(top_k=40, top_p=0.9, min_p=0.02)
+
+
 @functools.cache
-def _generator(dtype: str, numerics: str, engine: str, preset: str = "tiny"
-               ) -> rollout.Generator:
+def _generator(dtype: str, numerics: str, engine: str, preset: str = "tiny",
+               placement=None) -> rollout.Generator:
     mdef, _ = _policy(dtype, numerics, preset)
     return rollout.Generator(mdef, max_new_tokens=T, stop_ids=STOPS, num_valid=500,
-                             decode_chunk=3, rung_multiple=4, **ENGINES[engine])
+                             decode_chunk=3, rung_multiple=4, placement=placement,
+                             **ENGINES[engine])
 
 
 def _prompts() -> list[list[int]]:
@@ -62,47 +68,73 @@ def _prompts() -> list[list[int]]:
 
 
 @functools.cache
-def _scorer(mdef):
-    @functools.partial(jax.jit, static_argnames=("bucket", "temperature"))
+def _scorer(mdef, placement=None):
     def score(params, b, bucket, temperature):
+        min_logit = None  # a truncated rollout's support, as train.steps reads it
+        if "min_logit" in b:
+            min_logit = jnp.where(b["loss_mask"] > 0, b["min_logit"], -jnp.inf)
         head, _ = mdef.merge(params).token_logprobs(
             b["tokens"], b["positions"], b["segment_ids"], b["labels"],
             packing.keep(b["loss_mask"], b["segment_ids"]), temperature=temperature,
-            bucket=bucket)
+            bucket=bucket, min_logit=min_logit)
         return head.logprobs
 
-    return score
+    static = ("bucket", "temperature")
+    if placement is None:
+        return jax.jit(score, static_argnames=static)
+    return placement.jit(score, static_argnames=static)
 
 
-def _trainer_logprobs(dtype, numerics, prompts, roll, temperature, preset="tiny"):
+def _trainer_logprobs(dtype, numerics, prompts, roll, temperature, preset="tiny",
+                      placement=None):
     """The trainer's log-probs of every completion, as the sampler's ``[B, T]`` layout:
     the sequences packed into rows of 96 tokens, two micro-batches of rows, each with the
-    bucket of its own kept tokens."""
+    bucket of its own kept tokens (on a mesh: its fullest shard's), scored on the
+    sampler's support when the rollout was truncated (``loss.logprob_support =
+    "sampler"``)."""
     mdef, params = _policy(dtype, numerics, preset)
     completions = [roll.completion(i) for i in range(len(roll.lengths))]
+    values = None
+    if np.isfinite(roll.min_logit).any():
+        values = {"min_logit": [roll.min_logit[i, :len(c)] for i, c in
+                                enumerate(completions)]}
+    shards = 1 if placement is None else placement.batch_shards
     batch = packing.pack([prompts[i // G] for i in range(len(completions))], completions,
-                         96, row_multiple=2)
+                         96, row_multiple=2 * shards, values=values)
     half = batch.tokens.shape[0] // 2
-    score = _scorer(mdef)
+    score = _scorer(mdef, placement)
+    if placement is not None:
+        params = placement.place_params(params)
     parts = []
     for part in (batch.rows(0, half), batch.rows(half, 2 * half)):
-        arrays = {k: jnp.asarray(v) for k, v in part.arrays().items()}
-        parts.append(np.asarray(score(params, arrays, part.bucket(ROW_TILE),
-                                      temperature)))
+        if placement is None:
+            arrays = {k: jnp.asarray(v) for k, v in part.arrays(*part.values).items()}
+        else:
+            arrays = place_batch(part.arrays(*part.values), placement.mesh)
+        bucket = (part.bucket(ROW_TILE) if placement is None
+                  else placement.bucket(part, ROW_TILE))
+        parts.append(np.asarray(score(params, arrays, bucket, temperature)))
     out = np.zeros(roll.logprobs.shape, np.float32)
     for i, seq in enumerate(batch.per_sequence(np.concatenate(parts))):
         out[i, :len(seq)] = seq
     return out
 
 
-def _rollout(dtype, numerics, engine, temperature, preset="tiny"):
+def _rollout(dtype, numerics, engine, temperature, preset="tiny", truncation=None,
+             placement=None, order=None):
+    """The rollout of ``_prompts()`` (G per prompt, per-row budgets); ``order``: the
+    prompts in that order, each under its own request id (the same requests, other
+    rows)."""
     _, params = _policy(dtype, numerics, preset)
     prompts = _prompts()
+    order = list(range(len(prompts))) if order is None else list(order)
     budgets = np.tile([T, T - 3], len(prompts))  # per-row budgets
-    roll = _generator(dtype, numerics, engine, preset)(
-        params, prompts, jax.random.key(1), temperature=temperature, group_size=G,
-        max_new_tokens=budgets)
-    return prompts, roll
+    if placement is not None:
+        params = placement.place_params(params)
+    roll = _generator(dtype, numerics, engine, preset, placement)(
+        params, [prompts[i] for i in order], jax.random.key(1), temperature=temperature,
+        group_size=G, max_new_tokens=budgets, truncation=truncation, request_ids=order)
+    return [prompts[i] for i in order], roll
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
@@ -190,20 +222,39 @@ def test_check_ops_refuses_what_the_mode_cannot_run(overrides, named):
         check_ops(get_config("tiny", **overrides))
 
 
-def test_multi_device_mesh_is_refused():
+def test_tensor_axis_is_refused():
+    """The batch axes and context are covered; a tensor axis (split-K matmuls) is refused
+    by name."""
     check_mesh(None)
-    with pytest.raises(ValueError, match="one device"):
-        check_mesh(jax.sharding.AbstractMesh((2, 1), ("data", "context")))
+    check_mesh(jax.sharding.AbstractMesh((2, 2, 2), ("data", "fsdp", "context")))
+    with pytest.raises(ValueError, match="tensor=2"):
+        check_mesh(jax.sharding.AbstractMesh((2, 2), ("fsdp", "tensor")))
 
 
-def test_truncated_draw_is_refused():
-    """top-k / top-p / min-p have no invariant variant: the draw raises, naming them."""
-    mdef, params = _policy("float32", "invariant")
-    gen = rollout.Generator(mdef, max_new_tokens=2, stop_ids=(), num_valid=500,
-                            engine="reference",
-                            truncation=rollout.Truncation(top_k=5))
-    with pytest.raises(ValueError, match="top_k"):
-        gen(params, [[5, 6]], jax.random.key(0), temperature=1.0)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_truncated_draws_are_the_trainers_bit_for_bit(dtype):
+    """Truncated draws under the mode (issue #41's acceptance lists "greedy / sampled /
+    truncated draws"): each token's sampler log-prob on the support it was drawn from
+    (``min_logit``) equals the trainer's scored on that support, ``np.array_equal``, with
+    continuous batching; the draws are really truncated (finite thresholds)."""
+    prompts, roll = _rollout(dtype, "invariant", "waiting", 0.9, truncation=TRUNCATION)
+    live = np.arange(T) < roll.lengths[:, None]
+    assert np.isfinite(roll.min_logit[live]).all() and (roll.logmass[live] < 0).any()
+    trainer = _trainer_logprobs(dtype, "invariant", prompts, roll, 0.9)
+    np.testing.assert_array_equal(trainer, roll.logprobs)
+
+
+def test_truncated_request_draws_the_same_tokens_in_any_batch():
+    """The same request draws the same truncated tokens and log-probs whatever rows and
+    batch it runs in: the prompts reversed (each under its request id) and decoded with
+    rows leaving and joining the batch (bf16)."""
+    _, ref = _rollout("bfloat16", "invariant", "waiting", 0.9, truncation=TRUNCATION)
+    order = list(reversed(range(len(PROMPT_LENGTHS))))
+    _, moved = _rollout("bfloat16", "invariant", "compact", 0.9, truncation=TRUNCATION,
+                        order=order)
+    rows = np.concatenate([np.arange(G) + G * i for i in order])  # moved row -> ref row
+    for key in ("tokens", "logprobs", "min_logit", "lengths"):
+        np.testing.assert_array_equal(getattr(moved, key), getattr(ref, key)[rows], key)
 
 
 def test_attention_gradients_match_the_dense_reference():

@@ -275,18 +275,27 @@ def test_the_module_raises_the_config_checks_line(key, value, call):
 
 
 def test_the_invariant_mode_names_what_it_cannot_run_and_what_it_makes_unnecessary():
-    """``model.numerics = "invariant"`` (issue #41): truncated draws and a multi-device
-    mesh are refused by key, and the mismatch corrections are named unnecessary (every
-    importance ratio is exactly 1); the micro config in the mode checks clean."""
+    """``model.numerics = "invariant"`` (issue #41): a tensor axis (split-K matmuls) and a
+    truncated draw scored on the whole softmax are refused by key, the mismatch
+    corrections are named unnecessary (every importance ratio is exactly 1); the batch
+    axes, context, truncated draws scored on the sampler's support and MoE layers check
+    clean, an expert capacity (it drops tokens by their neighbours) is refused by name."""
     cfg = load_config(MICRO)
     cfg.model.overrides = {**cfg.model.overrides.to_dict(), "numerics": "invariant"}
     assert config.check(cfg) == []
-    cfg.rollout.top_p, cfg.mesh.fsdp, cfg.loss.tis_cap = 0.9, 2, 2.0
+    cfg.rollout.top_p, cfg.mesh.fsdp, cfg.mesh.context = 0.9, 2, 2
+    assert config.check(cfg) == []
+    cfg.mesh.tensor, cfg.loss.logprob_support, cfg.loss.tis_cap = 2, "full", 2.0
     problems = config.check(cfg)
     assert [p.split(":")[0] for p in problems] == [
-        "rollout.top_p = 0.9", "mesh.fsdp = 2", "loss.tis_cap = 2.0"], problems
+        "mesh.tensor = 2", "loss.logprob_support = 'full'", "loss.tis_cap = 2.0"], problems
+    assert "tensor=2" in problems[0] and "'sampler'" in problems[1]
     assert "unnecessary" in problems[2] and "bit for bit" in problems[2]
-    cfg.model.overrides = {**cfg.model.overrides.to_dict(), "num_experts": 4,
-                           "num_experts_per_tok": 2, "moe_intermediate_size": 16}
-    assert any(p.startswith("model.overrides") and "num_experts=4" in p
+    moe = {**cfg.model.overrides.to_dict(), "num_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 16}
+    cfg.mesh.tensor, cfg.loss.logprob_support, cfg.loss.tis_cap = 1, "sampler", 0.0
+    cfg.model.overrides = moe  # MoE layers run per tile (models.moe.invariant)
+    assert config.check(cfg) == []
+    cfg.model.overrides = {**moe, "expert_capacity_factor": 1.25}  # drops by the batch
+    assert any(p.startswith("model.overrides") and "expert_capacity_factor=1.25" in p
                for p in config.check(cfg))

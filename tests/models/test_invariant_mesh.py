@@ -1,0 +1,52 @@
+"""``ModelConfig.numerics = "invariant"`` on an 8-device CPU mesh (issue #41's acceptance:
+"on one device and on an 8-device mesh (fsdp x expert, and with context > 1 for the
+trainer's side)"): the sampler's log-probs of G = 2 completions of uneven prompts equal
+the trainer's (packed rows, two micro-batches, a bucket per shard) bit for bit,
+``np.array_equal``:
+
+* float32, the ``compact`` engine, sampled, rows over data=2 x fsdp=2 x expert=2;
+* the same in bf16 for the ``tiny-moe`` preset, its experts sharded over ``expert``;
+* bf16, the ``reference`` engine, truncated draws (top-k, top-p and min-p), rows over
+  fsdp=2 x expert=2 and the trainer's rows split over context=2;
+
+and both equal what one device computes in the same process (the results do not depend
+on the device count); the trainer's GRPO step on the context mesh gives one device's
+log-probs bit for bit and its gradients to float rounding.
+
+The subprocess compiles with LLVM's optimisation on (not ``CASE_FLAGS``): with
+``--xla_backend_optimization_level=0`` XLA:CPU's tiles are not batch-invariant even on
+one device (docs/numerics.md).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from tests.support.multidevice import run_case
+
+
+@functools.cache
+def _result() -> dict:
+    return run_case("tests.models.invariant_mesh_cases:mesh_case", 8,
+                    XLA_FLAGS="--xla_force_host_platform_device_count=8")
+
+
+@pytest.mark.parametrize("name", ["fsdp_expert", "moe_fsdp_expert", "context"])
+def test_sampler_logprobs_are_the_trainers_on_a_mesh(name):
+    r = _result()[name]
+    assert r["compared"] > r["rows"], r  # completions of several tokens
+    assert r["sampler_is_trainer"], r
+    assert r["tokens_as_one_device"] and r["sampler_as_one_device"], r
+    assert r["trainer_as_one_device"], r
+    if name == "context":
+        assert r["truncated"], r
+
+
+def test_context_parallel_step_is_one_devices():
+    r = _result()["context_step"]
+    assert r["logp_as_one_device"], r
+    assert r["loss"] < 1e-6, r
+    worst = max(r["grads"].values())
+    assert worst < 1e-5, r["grads"]
