@@ -82,15 +82,17 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=cfg.dtype,
                            param_dtype=cfg.param_dtype, rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids, kv=None, replay=None):
-        """``x`` ``[B, T, H]`` -> ``(x, kv, RouterStats | None, experts [B, T, k] | None)``
-        (the MoE's experts per token; None on a dense layer); see ``Attention``.
+    def __call__(self, x, positions, segment_ids, kv=None, replay=None, *,
+                 with_experts: bool = False):
+        """``x`` ``[B, T, H]`` -> ``(x, kv, RouterStats | None)``; see ``Attention``.
         ``replay``: None, or int32 ``[B, T, k]`` experts the MoE uses instead of its top-k
-        (routing replay, ``models.moe.layer.replay_route``).
+        (routing replay, ``models.moe.layer.replay_route``). ``with_experts``: also return
+        the experts ``[B, T, k]`` the MoE used (None on a dense layer).
         Under ``numerics="invariant"`` (a dense layer) everything but the attention runs
         in row tiles (``models.invariant.row_tiled``)."""
         if self.invariant:
-            return (*self._invariant(x, positions, segment_ids, kv), None)
+            out = self._invariant(x, positions, segment_ids, kv)
+            return (*out, None) if with_experts else out
         attn, kv = self.self_attn(self.input_layernorm(x), positions, segment_ids, kv)
         x = x + attn
         h = self.post_attention_layernorm(x)
@@ -100,7 +102,7 @@ class DecoderLayer(nnx.Module):
                                            replay=replay, with_experts=True)
         else:
             out, stats, experts = self.mlp(h), None, None
-        return x + out, kv, stats, experts
+        return (x + out, kv, stats) + ((experts,) if with_experts else ())
 
     def _invariant(self, x, positions, segment_ids, kv):
         attn = self.self_attn
@@ -200,7 +202,8 @@ def head_bucket(keep, mesh, multiple: int = 128) -> int:
 
 
 def _call_layer(layer: DecoderLayer, x, positions, segment_ids, replay):
-    return layer(name_layer_input(x), positions, segment_ids, None, replay)
+    return layer(name_layer_input(x), positions, segment_ids, None, replay,
+                 with_experts=True)
 
 
 class Transformer(nnx.Module):
@@ -327,7 +330,8 @@ class Transformer(nnx.Module):
             x, i = carry
             replay = None if routes is None else jax.lax.dynamic_index_in_dim(
                 routes, i, axis=2, keepdims=False)
-            x, _, layer_stats, experts = layer(x, positions, segment_ids, None, replay)
+            x, _, layer_stats, experts = layer(x, positions, segment_ids, None, replay,
+                                               with_experts=True)
             return (x, i + 1), (layer_stats, experts)
 
         (x, _), (stats, experts) = scan_layers(self.layers, body, (x, jnp.int32(0)),
@@ -351,7 +355,8 @@ class Transformer(nnx.Module):
                 x, _, layer_stats, experts = nnx.remat(_call_layer, policy=policy)(
                     layer, x, positions, segment_ids, replay)
             else:
-                x, kv, layer_stats, experts = layer(x, positions, segment_ids, kv, replay)
+                x, kv, layer_stats, experts = layer(x, positions, segment_ids, kv, replay,
+                                                    with_experts=True)
             if kv is not None:
                 keys.append(kv.keys)
                 values.append(kv.values)
