@@ -47,7 +47,7 @@ BAD = {
     "loss.entropy_coef": float("nan"), "loss.aggregation": "sum",
     "loss.logprob_support": "top_p", "loss.tis_cap": -1.0, "loss.mask_ratio_low": 1.0,
     "loss.mask_ratio_high": 0.5, "loss.old_logprobs": "reference", "loss.clip_ratio_c": 0.9,
-    "loss.ratio_level": "group", "loss.routing_replay": "yes",
+    "loss.ratio_level": "group",
     "train.updates_per_batch": 0, "train.mini_batches": 0, "train.micro_batches": 0,
     "train.steps": -1, "train.log_every": 0, "train.max_nonfinite_updates": 0,
     **{f"train.{k}": v for k, v in ROWS_BAD.items()},
@@ -66,7 +66,7 @@ BAD = {
 ANY_VALUE = {"data.system_prompt", "model.remat", "data.prefill_answer_tag",
              "data.stop_at_close_tag", "train.skip_unkept", "eval.before_after",
              "metrics.tensorboard", "distributed.enabled", "export.hf_dir",
-             "export.replace"}
+             "export.replace", "loss.routing_replay"}
 
 
 def _set(cfg, key: str, value) -> None:
