@@ -27,6 +27,7 @@ import pytest
 from models import get_config
 from tests.support import ROOT
 from tests.support.models import random_model
+from tests.support.multidevice import run_case
 from train import config, packing, rl_loss, rollout, steps, updates
 from train.cli import load_config
 from train.placement import place_batch
@@ -137,6 +138,17 @@ def test_replay_without_recorded_routes_is_refused(moe_run):
     bare = updates.Sequences(seqs.prompts, seqs.completions, seqs.values, G)
     with pytest.raises(ValueError, match="routing replay needs the batch's routes"):
         _step(mdef, params, bare, replay=True)
+
+
+def test_sharded_rollouts_record_and_the_sharded_step_replays():
+    """On 4 devices (fsdp x expert; ``routing_replay_cases.py``): both engines record the
+    routes one device records, and the sharded step replays them (a perturbed sampler's
+    router: ``expert_disagreement`` > 0 without replay, exactly 0 with it)."""
+    r = run_case("tests.train.routing_replay_cases:sharded_replay_case", 4)
+    for engine in ("reference", "compact"):
+        assert r[engine] == {"tokens": True, "routes": True, "prompt_routes": True}, r
+    assert r["disagreement_replay_False"] > 0.01, r
+    assert r["disagreement_replay_True"] == 0.0, r
 
 
 LOOP = """
