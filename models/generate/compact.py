@@ -200,6 +200,8 @@ def decode_chunk(model, pools, rows: Rows, tables, record, key, start, chunk, te
         ``lockstep`` (the rows started together); otherwise each row draws step
         ``length`` with its own key.
       chunk: int32 scalar (traced): the most steps to run.
+      record: ``prefill``'s; with ``d.record_routes`` each step also writes the experts
+        of the token it runs (completion token ``length - 1``) into the completion routes.
 
     Returns:
       ``(pools, rows, record, steps run)``.
