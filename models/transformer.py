@@ -48,12 +48,17 @@ class DecoderOutput(NamedTuple):
       dropped_fraction: float32 scalar: the fraction of the real (token, expert) pairs
         the MoE layers dropped for capacity (``models.moe.layer.dropped_fraction``; 0 for a
         dense model and without ``cfg.expert_capacity_factor``).
+      routes: int32 ``[B, T, M, k]``: the experts each token used at each of the M MoE
+        layers (in layer order; k = ``cfg.num_experts_per_tok``): what the rollout
+        engines record for routing replay. None for a dense model and under
+        ``numerics="invariant"``.
     """
 
     hidden: jax.Array
     cache: KVCache | None
     aux_loss: jax.Array
     dropped_fraction: jax.Array
+    routes: jax.Array | None = None
 
 
 class DecoderLayer(nnx.Module):
@@ -77,21 +82,27 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=cfg.dtype,
                            param_dtype=cfg.param_dtype, rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids, kv=None):
+    def __call__(self, x, positions, segment_ids, kv=None, replay=None, *,
+                 with_experts: bool = False):
         """``x`` ``[B, T, H]`` -> ``(x, kv, RouterStats | None)``; see ``Attention``.
+        ``replay``: None, or int32 ``[B, T, k]`` experts the MoE uses instead of its top-k
+        (routing replay, ``models.moe.layer.replay_route``). ``with_experts``: also return
+        the experts ``[B, T, k]`` the MoE used (None on a dense layer).
         Under ``numerics="invariant"`` everything but the attention runs in row tiles
         (``models.invariant.row_tiled``), the MoE block too (``MoE.tile``)."""
         if self.invariant:
-            return self._invariant(x, positions, segment_ids, kv)
+            *out, experts = self._invariant(x, positions, segment_ids, kv)
+            return (*out, experts) if with_experts else tuple(out)
         attn, kv = self.self_attn(self.input_layernorm(x), positions, segment_ids, kv)
         x = x + attn
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
             # training and scoring (no cache): a row's tokens may be split over context
-            out, stats = self.mlp(h, segment_ids != 0, split_tokens=kv is None)
+            out, stats, experts = self.mlp(h, segment_ids != 0, split_tokens=kv is None,
+                                           replay=replay, with_experts=True)
         else:
-            out, stats = self.mlp(h), None
-        return x + out, kv, stats
+            out, stats, experts = self.mlp(h), None, None
+        return (x + out, kv, stats) + ((experts,) if with_experts else ())
 
     def _invariant(self, x, positions, segment_ids, kv):
         moe = isinstance(self.mlp, MoE)
@@ -112,9 +123,10 @@ class DecoderLayer(nnx.Module):
         out, kv = self.self_attn.attend(q, k, v, positions, segment_ids, kv)
         real = segment_ids != 0
         if not moe:
-            return row_tiled(post, x, out, real, split_tokens=split, modules=(self,)), kv, None
+            x = row_tiled(post, x, out, real, split_tokens=split, modules=(self,))
+            return x, kv, None, None
         x, probs, experts = row_tiled(post, x, out, real, split_tokens=split, modules=(self,))
-        return x, kv, self.mlp.tiled_stats(probs, experts, real)
+        return x, kv, self.mlp.tiled_stats(probs, experts, real), experts
 
 
 def check_ops(cfg: ModelConfig) -> None:
@@ -134,6 +146,33 @@ def check_ops(cfg: ModelConfig) -> None:
     check_overflow(cfg.expert_capacity_overflow)
     check_token_chunk(cfg.moe_token_chunk)
     check_numerics(cfg)
+
+
+def moe_layers(cfg: ModelConfig) -> int:
+    """M, the number of MoE layers of ``cfg`` (0 for a dense model): the third axis of
+    ``DecoderOutput.routes``."""
+    return sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+
+
+def check_routes(cfg: ModelConfig, routes, shape) -> None:
+    """Check replayed ``routes`` for tokens of ``shape`` ``[B, T]`` (``Transformer``).
+
+    Raises:
+      ValueError: a dense model (no router to replay), ``numerics="invariant"`` (its
+        routing agrees by construction), ``routes`` not an integer array
+        ``[B, T, M, k]`` (M = ``moe_layers(cfg)``, k = ``cfg.num_experts_per_tok``), the
+        values named.
+    """
+    if not cfg.is_moe:
+        raise ValueError("routing replay needs an MoE model; this one is dense "
+                         "(num_experts = 0)")
+    if cfg.numerics == "invariant":
+        raise ValueError("routing replay is for the default numerics; numerics='invariant' "
+                         "makes the trainer's routing the sampler's by construction")
+    want = (*shape, moe_layers(cfg), cfg.num_experts_per_tok)
+    if tuple(routes.shape) != want or not jnp.issubdtype(routes.dtype, jnp.integer):
+        raise ValueError(f"routes must be an int array [B, T, MoE layers, top_k] = "
+                         f"{list(want)}, got {routes.dtype} {list(routes.shape)}")
 
 
 def head_rows(x, mesh):
@@ -172,8 +211,9 @@ def head_bucket(keep, mesh, multiple: int = 128) -> int:
     return jaxhead.bucket_for_shards(rows, shards, multiple=multiple)
 
 
-def _call_layer(layer: DecoderLayer, x, positions, segment_ids):
-    return layer(name_layer_input(x), positions, segment_ids)
+def _call_layer(layer: DecoderLayer, x, positions, segment_ids, replay):
+    return layer(name_layer_input(x), positions, segment_ids, None, replay,
+                 with_experts=True)
 
 
 class Transformer(nnx.Module):
@@ -212,7 +252,8 @@ class Transformer(nnx.Module):
         )
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                 cache: KVCache | PagedKVCache | None = None) -> DecoderOutput:
+                 cache: KVCache | PagedKVCache | None = None, *,
+                 routes: jax.Array | None = None) -> DecoderOutput:
         """Run the decoder.
 
         Training / scoring (``cache=None``): rows may pack several sequences; token ``t``
@@ -235,16 +276,21 @@ class Transformer(nnx.Module):
             far).
           segment_ids: int ``[B, T]``: a positive id per packed sequence, 0 = padding.
           cache: optional ``KVCache`` or ``PagedKVCache``.
+          routes: None, or int32 ``[B, T, M, k]`` (``DecoderOutput.routes``' layout):
+            routing replay, each MoE layer uses these experts instead of its own top-k
+            (``models.moe.layer.replay_route``; a token whose entry is ``-1`` takes its
+            own).
 
         Returns:
           ``DecoderOutput(hidden [B, T, H] compute dtype, cache, aux_loss,
-          dropped_fraction)``.
+          dropped_fraction, routes)``.
 
         Raises:
           ValueError: ``tokens``, ``positions`` and ``segment_ids`` shapes differ or are
             not 2-D; the T new tokens do not fit in the cache's free slots (checked
             eagerly; under ``jit`` the hidden states come out NaN instead); a paged cache
-            with T != 1.
+            with T != 1; ``routes`` for a dense model, under ``numerics="invariant"`` or
+            not of shape ``[B, T, M, k]`` (``check_routes``).
         """
         shapes = {tuple(a.shape) for a in (tokens, positions, segment_ids)}
         if len(shapes) != 1 or len(tokens.shape) != 2:
@@ -252,6 +298,8 @@ class Transformer(nnx.Module):
                 f"tokens, positions, segment_ids must share one [B, T] shape, got "
                 f"{tokens.shape}, {positions.shape}, {segment_ids.shape}"
             )
+        if routes is not None:
+            check_routes(self.cfg, routes, tokens.shape)
         overflow, paged = None, isinstance(cache, PagedKVCache)
         if paged and tokens.shape[1] != 1:
             raise ValueError(f"a paged KV cache decodes one token per row, got "
@@ -268,9 +316,9 @@ class Transformer(nnx.Module):
         if cache is None:  # a row's tokens split over context, if the mesh has one
             x = context.constrain_tokens(x, active_mesh())
         if cache is None and self.cfg.scan_layers:
-            x, stats = self._scan(x, positions, segment_ids)
+            x, stats, used = self._scan(x, positions, segment_ids, routes)
         else:
-            x, cache, stats = self._loop(x, positions, segment_ids, cache)
+            x, cache, stats, used = self._loop(x, positions, segment_ids, cache, routes)
         if cache is not None and not paged:
             cache = cache._replace(index=cache.index + tokens.shape[1])
         zero = jnp.zeros((), jnp.float32)
@@ -280,42 +328,56 @@ class Transformer(nnx.Module):
                             modules=(self.norm,)) if self.invariant else self.norm(x))
         if overflow is not None:  # traced index past the cache: NaN, never a wrong value
             hidden = jnp.where(overflow, jnp.nan, hidden)
-        return DecoderOutput(hidden, cache, aux, dropped)
+        used = None if not used else jnp.stack(used, axis=2)  # [B, T, M, k]
+        return DecoderOutput(hidden, cache, aux, dropped, used)
 
-    def _scan(self, x, positions, segment_ids) -> tuple[jax.Array, list[RouterStats]]:
-        """The stacked layers over ``x`` ``[B, T, H]`` with ``jax.lax.scan``; the router
-        statistics summed over the layers (one entry, or none for a dense model)."""
+    def _scan(self, x, positions, segment_ids, routes):
+        """The stacked layers over ``x`` ``[B, T, H]`` with ``jax.lax.scan``. Returns
+        ``(x, router statistics summed over the layers (one entry, or none for a dense
+        model), each layer's experts [B, T, k] (none for a dense model))``."""
         policy = self.cfg.remat_policy if self.cfg.remat else "full"
 
-        def body(layer, x):
-            x, _, layer_stats = layer(x, positions, segment_ids)
-            return x, layer_stats
+        def body(layer, carry):
+            x, i = carry
+            replay = None if routes is None else jax.lax.dynamic_index_in_dim(
+                routes, i, axis=2, keepdims=False)
+            x, _, layer_stats, experts = layer(x, positions, segment_ids, None, replay,
+                                               with_experts=True)
+            return (x, i + 1), (layer_stats, experts)
 
-        x, stats = scan_layers(self.layers, body, x, policy=policy)
-        return x, [] if stats is None else [RouterStats(*(s.sum(0) for s in stats))]
+        (x, _), (stats, experts) = scan_layers(self.layers, body, (x, jnp.int32(0)),
+                                               policy=policy)
+        if stats is None:
+            return x, [], []
+        return x, [RouterStats(*(s.sum(0) for s in stats))], list(experts)
 
-    def _loop(self, x, positions, segment_ids, cache):
+    def _loop(self, x, positions, segment_ids, cache, routes):
         """The layers one by one (unrolled); with a ``cache``, each layer writes its keys
-        and values. Returns ``(x, cache with the new keys / values, router stats)``."""
+        and values. Returns ``(x, cache with the new keys / values, router stats, the
+        experts [B, T, k] of each MoE layer)``."""
         policy = REMAT_POLICIES[self.cfg.remat_policy] if self.cfg.remat else None
-        keys, values, stats = [], [], []
+        keys, values, stats, used = [], [], [], []
         for i in range(self.cfg.num_hidden_layers):
             layer = layer_at(self.layers, i) if self.cfg.scan_layers else self.layers[i]
             kv = (None if cache is None else paged_view(cache, i)
                   if isinstance(cache, PagedKVCache) else layer_view(cache, i))
+            replay = None if routes is None else routes[:, :, len(used)]
             if policy is not None and kv is None:
-                x, _, layer_stats = nnx.remat(_call_layer, policy=policy)(
-                    layer, x, positions, segment_ids)
+                x, _, layer_stats, experts = nnx.remat(_call_layer, policy=policy)(
+                    layer, x, positions, segment_ids, replay)
             else:
-                x, kv, layer_stats = layer(x, positions, segment_ids, kv)
+                x, kv, layer_stats, experts = layer(x, positions, segment_ids, kv, replay,
+                                                    with_experts=True)
             if kv is not None:
                 keys.append(kv.keys)
                 values.append(kv.values)
             if layer_stats is not None:
                 stats.append(layer_stats)
+            if experts is not None:
+                used.append(experts)
         if cache is not None:
             cache = cache._replace(keys=tuple(keys), values=tuple(values))
-        return x, cache, stats
+        return x, cache, stats, used
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty ``KVCache`` of ``max_len`` slots per row (``models.cache.init_cache``)."""
@@ -339,6 +401,7 @@ class Transformer(nnx.Module):
         bucket: int | None = None,
         token_axes: tuple[str, ...] | None = None,
         min_logit: jax.Array | None = None,
+        routes: jax.Array | None = None,
     ) -> tuple[jaxhead.HeadOutput, DecoderOutput]:
         """Decoder forward, then the jaxhead head on the kept tokens: the one function
         through which the trainer reads every log-prob of the model.
@@ -366,6 +429,7 @@ class Transformer(nnx.Module):
           min_logit: None, or float32 ``[B, S]``: per position, the truncated sampling
             support each label was drawn from (``jaxhead.token_logprobs``'s
             ``min_logit``; ``-inf``: untruncated).
+          routes: None, or int32 ``[B, S, M, k]``: routing replay (``__call__``).
           token_axes: mesh axes the head's rows are split over under a mesh (default:
             ``models.context.token_axes``: the batch axes, with context parallelism
             ``context`` first, the head's rows then token-major); ignored on one device.
@@ -380,13 +444,13 @@ class Transformer(nnx.Module):
         """
         mesh = active_mesh()
         if self.invariant and mesh is None:  # the sampler's tiles (head_logprobs)
-            out = self(tokens, positions, segment_ids)
+            out = self(tokens, positions, segment_ids, routes=routes)
             head = head_logprobs(self.lm_head, out.hidden, labels, keep,
                                  temperature=temperature, bucket=bucket,
                                  with_entropy=with_entropy, min_logit=min_logit)
             return head, out
         if mesh is None:
-            out = self(tokens, positions, segment_ids)
+            out = self(tokens, positions, segment_ids, routes=routes)
             head = self.lm_head(out.hidden, labels, keep, temperature=temperature,
                                 with_entropy=with_entropy, bucket=bucket, min_logit=min_logit)
             return head, out
@@ -400,7 +464,11 @@ class Transformer(nnx.Module):
         tokens, positions, segment_ids = (
             context.constrain_tokens(context.balance(x, c), mesh)
             for x in (tokens, positions, segment_ids))
-        out = self(tokens, positions, segment_ids)
+        if routes is not None:
+            routes = context.constrain_tokens(context.balance(routes, c), mesh)
+        out = self(tokens, positions, segment_ids, routes=routes)
+        if out.routes is not None:  # back in token order, as the caller's routes
+            out = out._replace(routes=context.unbalance(out.routes, c))
         if self.invariant:  # each device its own [B, S / C] block, on the sampler's tiles
             def balanced(x):
                 return None if x is None else context.balance(jnp.asarray(x), c)

@@ -204,6 +204,9 @@ def schema() -> d.Schema:
             "clip_ratio_c": Key(0.0, rl_loss.OFF_OR_ABOVE_1),
             # token | sequence (GSPO's geometric-mean ratio per completion)
             "ratio_level": Key("token", rl_loss.RATIO_LEVEL),
+            # MoE: the policy's forwards route each token to the experts the sampler chose
+            # (Rollout Routing Replay, R3; gate values from the trainer's router)
+            "routing_replay": Key(False, d.boolean()),
         },
 
         "train": {
@@ -369,6 +372,31 @@ def _invariant_numerics(cfg) -> list[tuple[str, str]]:
     return out
 
 
+def _routing_replay(cfg) -> list[tuple[str, str]]:
+    """``loss.routing_replay`` replays an MoE model's routes in the default numerics: a
+    dense preset has none, and ``model.numerics='invariant'`` routes alike by
+    construction. (A ``model.hf_checkpoint``'s architecture is read later: a dense one is
+    refused by the first update.)"""
+    import models
+
+    if not cfg.loss.routing_replay:
+        return []
+    if cfg.model.overrides.get("numerics") == "invariant":
+        why = ("unnecessary with model.numerics='invariant': the trainer's routing is the "
+               "sampler's by construction; set it to False")
+        return [("loss.routing_replay", why)]
+    if cfg.model.hf_checkpoint or cfg.model.preset not in models.PRESETS:
+        return []
+    try:
+        moe = models.get_config(cfg.model.preset, **cfg.model.overrides.to_dict()).is_moe
+    except (TypeError, ValueError):
+        return []  # _model names the bad override
+    if not moe:
+        why = f"needs an MoE model; model.preset {cfg.model.preset!r} is dense (no router)"
+        return [("loss.routing_replay", why)]
+    return []
+
+
 def _updates_round_away(cfg) -> list[tuple[str, str]]:
     """An Adam update moves a weight by about the learning rate. Below half the spacing at
     1.0 (a norm scale's initial value) of the weights the optimizer updates it rounds away.
@@ -393,7 +421,7 @@ def _updates_round_away(cfg) -> list[tuple[str, str]]:
 #: Constraints between keys, checked once every key is in its domain.
 RELATIONS: list[d.Relation] = [_one_free_axis, _model, _task_kwargs, _tokenizer,
                                updates.whole_groups, _context_rows, _updates_round_away,
-                               _invariant_numerics]
+                               _invariant_numerics, _routing_replay]
 
 
 def base_config() -> ConfigDict:

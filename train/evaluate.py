@@ -82,6 +82,7 @@ def _generate_all(generate: rollout.Generator, params, prompts, key, batch: int,
         chunk += [chunk[0]] * (per_call - n)
         ro = generate(params, chunk, jax.random.fold_in(key, start * group),
                       temperature=temperature, group_size=group)
+        ro = ro._replace(prompt_routes=None, routes=None)  # an MoE's routes: not kept
         out += [(ro, i) for i in range(n * group)]
         bar.update(1)
     return out

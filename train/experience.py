@@ -29,13 +29,17 @@ def scored_on_sampler_support(cfg) -> bool:
 
 def generator(cfg, s: setup.Setup, trunc: rollout.Truncation) -> rollout.Generator:
     """The run's KV-cache sampler (``train.rollout.Generator``) with ``trunc``, sharded
-    over the run's mesh (``s.placement``) like the training step."""
+    over the run's mesh (``s.placement``) like the training step; for an MoE model it
+    records each token's experts (``Rollout.routes``: the trainer's
+    ``expert_disagreement`` and ``loss.routing_replay`` read them; ``M x k`` int32 per
+    token, next to the KV cache's ``2 L x kv heads x head_dim`` values)."""
     return rollout.Generator(s.mdef, max_new_tokens=cfg.rollout.max_new_tokens,
                              stop_ids=s.tasks.stop_ids, num_valid=s.tokenizer.num_valid,
                              truncation=trunc, placement=s.placement,
                              engine=cfg.rollout.engine, decode_chunk=cfg.rollout.decode_chunk,
                              page_size=cfg.rollout.page_size,
-                             max_decode_rows=cfg.rollout.max_decode_rows)
+                             max_decode_rows=cfg.rollout.max_decode_rows,
+                             record_routes=s.mdef.cfg.is_moe)
 
 
 def score(cfg, s: setup.Setup, problems, ro: rollout.Rollout) -> tuple[np.ndarray, np.ndarray]:
@@ -58,7 +62,8 @@ def rollout_sequences(cfg, problems, ro: rollout.Rollout,
     (``old_logp``), the completion's advantage on each of its tokens and, when scored on
     the sampler's support (``scored_on_sampler_support``), each token's ``min_logit``;
     with ``loss.logprob_support == "full"`` ``old_logp`` is the full-softmax log-prob
-    (``logprobs + logmass``)."""
+    (``logprobs + logmass``); with recorded routes (an MoE model), each sequence's
+    (``Rollout.sequence_routes``)."""
     g = cfg.rollout.group_size
     n = len(problems) * g
     comps = [ro.completion(i) for i in range(n)]
@@ -73,4 +78,7 @@ def rollout_sequences(cfg, problems, ro: rollout.Rollout,
               "advantages": [np.full(len(c), adv[i], np.float32) for i, c in enumerate(comps)]}
     if on_support:
         values["min_logit"] = per_token(ro.min_logit)
-    return updates.Sequences([problems[i // g].prompt for i in range(n)], comps, values, g)
+    prompts = [problems[i // g].prompt for i in range(n)]
+    routes = None if ro.routes is None else [
+        ro.sequence_routes(i, len(p)) for i, p in enumerate(prompts)]
+    return updates.Sequences(prompts, comps, values, g, routes)

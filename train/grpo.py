@@ -71,7 +71,8 @@ class GRPOIteration:
             temperature=cfg.rollout.temperature, skip=self.skip, frozen=loop.frozen,
             row_len=cfg.train.row_len,
             row_multiple=s.placement.row_multiple(cfg.train.row_multiple),
-            bucket_multiple=cfg.train.bucket_multiple)
+            bucket_multiple=cfg.train.bucket_multiple,
+            routing_replay=cfg.loss.routing_replay)
         self.peak = peak_flops(cfg.metrics.peak_flops)
         self.guard = nonfinite.Guard(cfg.train.max_nonfinite_updates, "grpo",
                                      s.writer.enabled)

@@ -85,7 +85,7 @@ class MetricsWriter:
 #: ``<name>/<epoch>.<mini-batch>`` (``reduce_updates``).
 PER_UPDATE = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "clip_fraction_dual",
               "approx_kl_old", "ratio_mean", "ratio_max", "logprob_diff_mean",
-              "logprob_diff_max", "grad_norm")
+              "logprob_diff_max", "expert_disagreement", "grad_norm")
 
 
 def reduce_updates(updates: list[tuple[tuple[int, int], dict]]) -> dict[str, float]:

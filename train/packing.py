@@ -48,6 +48,10 @@ class PackedBatch:
       values: the per-completion-token float32 arrays given to ``pack`` (e.g. sampler
         log-probs, advantages), aligned like ``loss_mask`` (0 elsewhere).
       num_seqs: number of sequences packed (static).
+      routes: None, or int32 ``[rows, row_len, M, k]``: the experts the sampler's forward
+        used for each token at each MoE layer (``pack``'s ``routes``; -1 where none was
+        recorded: padding, a completion's last token), what routing replay feeds the
+        trainer's forward (``models.Transformer``'s ``routes``).
     """
 
     tokens: np.ndarray
@@ -58,6 +62,7 @@ class PackedBatch:
     seq_index: np.ndarray
     values: dict[str, np.ndarray]
     num_seqs: int
+    routes: np.ndarray | None = None
 
     @property
     def keep(self) -> np.ndarray:
@@ -70,10 +75,13 @@ class PackedBatch:
         return int(np.count_nonzero(self.keep))
 
     def arrays(self, *value_names: str) -> dict[str, np.ndarray]:
-        """The host arrays a step reads: ``BATCH_KEYS`` plus the named ``values``
-        (``train.placement.place_batch`` puts them on the devices)."""
+        """The host arrays a step reads: ``BATCH_KEYS`` plus the named ``values``, and
+        ``routes`` when the batch has them (``train.placement.place_batch`` puts them on
+        the devices)."""
         out = {k: getattr(self, k) for k in BATCH_KEYS}
         out.update({k: self.values[k] for k in value_names})
+        if self.routes is not None:
+            out["routes"] = self.routes
         return out
 
     def bucket(self, multiple: int = 128, max_kept: int | None = None) -> int:
@@ -91,7 +99,8 @@ class PackedBatch:
         cut = slice(start, stop)
         return dataclasses.replace(
             self, **{k: getattr(self, k)[cut] for k in BATCH_KEYS},
-            values={k: v[cut] for k, v in self.values.items()})
+            values={k: v[cut] for k, v in self.values.items()},
+            routes=None if self.routes is None else self.routes[cut])
 
     def _scored(self) -> tuple[np.ndarray, np.ndarray]:
         """Flat positions of the completion tokens grouped by sequence (each in token
@@ -150,7 +159,8 @@ def assign_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
 
 def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
          row_len: int, *, num_rows: int | None = None, row_multiple: int = 1,
-         values: dict[str, Sequence[Sequence[float]]] | None = None) -> PackedBatch:
+         values: dict[str, Sequence[Sequence[float]]] | None = None,
+         routes: Sequence[np.ndarray] | None = None) -> PackedBatch:
     """Pack ``prompt_k + completion_k`` for every k.
 
     Args:
@@ -161,13 +171,16 @@ def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
         rounded up to a multiple of ``row_multiple`` (few distinct shapes to compile).
       values: optional per-completion-token numbers (``values[name][k]`` has
         ``len(completions[k])`` entries), placed where ``loss_mask`` marks the token.
+      routes: optional int ``[len(prompt_k) + len(completion_k), M, k]`` per sequence
+        (``train.rollout.Rollout.sequence_routes``), placed at its tokens
+        (``PackedBatch.routes``, -1 elsewhere).
 
     Returns:
       ``PackedBatch``.
 
     Raises:
       ValueError: a sequence longer than ``row_len``; more rows needed than ``num_rows``;
-        lengths of ``values`` that do not match the completions.
+        lengths of ``values`` or ``routes`` that do not match the sequences.
     """
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
@@ -183,6 +196,11 @@ def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
     seq_index -= 1
     loss_mask = np.zeros(shape, np.float32)
     out_values = {name: np.zeros(shape, np.float32) for name in values}
+    out_routes = None
+    if routes is not None:
+        if len(routes) != len(prompts):
+            raise ValueError(f"routes for {len(routes)} sequences; {len(prompts)} packed")
+        out_routes = np.full((*shape, *np.shape(routes[0])[1:]), -1, np.int32)
     for r, members in enumerate(rows):
         start = 0
         for s, k in enumerate(sorted(members), start=1):
@@ -199,7 +217,12 @@ def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
                     raise ValueError(f"values[{name!r}][{k}] has {len(per_seq[k])} entries "
                                      f"for a completion of {len(c)} tokens")
                 out_values[name][r, scored] = per_seq[k]
+            if out_routes is not None:
+                if np.shape(routes[k])[:1] != (n,):
+                    raise ValueError(f"routes[{k}] has shape {np.shape(routes[k])} for a "
+                                     f"sequence of {n} tokens")
+                out_routes[r, start:start + n] = routes[k]
             start += n
     labels, _ = jaxhead.next_token_labels(tokens, segs)
     return PackedBatch(tokens, positions, segs, np.asarray(labels), loss_mask, seq_index,
-                       out_values, len(prompts))
+                       out_values, len(prompts), out_routes)

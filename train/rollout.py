@@ -96,6 +96,11 @@ class Rollout(NamedTuple):
       stopped: bool ``[B]``: the completion ended with a stop token (else it hit
         ``max_new_tokens``).
       path: the sampling path (``PATH_GUMBEL`` or ``PATH_TRUNCATED``).
+      prompt_routes, routes: with ``Generator(record_routes=True)`` (an MoE model), int32
+        ``[B, W, M, k]`` and ``[B, T, M, k]``: the experts each prompt token and each
+        completion token used at each of the M MoE layers in the sampler's forward
+        (``models.generate.api.record_routes``: -1 where no token ran, e.g. a
+        completion's last token); else None.
     """
 
     tokens: np.ndarray
@@ -105,10 +110,26 @@ class Rollout(NamedTuple):
     lengths: np.ndarray
     stopped: np.ndarray
     path: str
+    prompt_routes: np.ndarray | None = None
+    routes: np.ndarray | None = None
 
     def completion(self, i: int) -> list[int]:
         """Tokens of completion ``i`` (stop token included)."""
         return self.tokens[i, : self.lengths[i]].tolist()
+
+    def sequence_routes(self, i: int, prompt_len: int) -> np.ndarray:
+        """int32 ``[prompt_len + lengths[i], M, k]``: the recorded experts of row ``i``'s
+        prompt (its first ``prompt_len`` tokens) and completion tokens, in the order
+        ``train.packing`` lays them out (-1: none recorded, the last token's).
+
+        Raises:
+          ValueError: the rollout recorded no routes.
+        """
+        if self.routes is None:
+            raise ValueError("this rollout recorded no routes: build the Generator with "
+                             "record_routes=True (an MoE model)")
+        return np.concatenate([self.prompt_routes[i, :prompt_len],
+                               self.routes[i, : self.lengths[i]]])
 
 
 def pad_prompts(prompts: list[list[int]] | list[tuple[int, ...]], multiple: int = 64
@@ -146,21 +167,31 @@ class Generator:
       page_size: ``compact``: slots per page of its paged KV cache.
       max_decode_rows: ``compact``: the most rows decoding at once (0: all); the others
         wait for the places finished rows free (continuous batching).
+      record_routes: record the experts every token used at every MoE layer
+        (``Rollout.routes``; routing replay and the expert disagreement metric): the
+        rollout then holds ``M x k`` int32 per token of ``W + T`` (M MoE layers, top-k
+        k) on the devices and the host.
 
     Attributes:
       last_work: the ``models.generate.Work`` of the latest call (None before one).
 
     Raises:
       ValueError: an unknown ``engine``, ``decode_chunk`` / ``page_size`` < 1,
-        ``max_decode_rows`` < 0 or a bad ladder (named).
+        ``max_decode_rows`` < 0 or a bad ladder (named); ``record_routes`` for a dense
+        model.
     """
 
     def __init__(self, mdef: ModelDef, *, max_new_tokens: int, stop_ids: tuple[int, ...],
                  num_valid: int, truncation: Truncation | None = None,
                  placement: Placement | None = None, engine: str = "compact",
                  decode_chunk: int = 64, rung_multiple: int = 8, rung_growth: float = 1.5,
-                 page_size: int = 64, max_decode_rows: int = 0):
+                 page_size: int = 64, max_decode_rows: int = 0,
+                 record_routes: bool = False):
         ENGINE.require("rollout.engine", engine)
+        if record_routes and not mdef.cfg.is_moe:
+            raise ValueError("record_routes=True needs an MoE model: this one is dense "
+                             "(num_experts = 0), it has no routes to record")
+        self.record_routes = bool(record_routes)
         self.mdef, self.max_new_tokens, self.engine = mdef, max_new_tokens, engine
         self.truncation = Truncation() if truncation is None else Truncation(*truncation)
         self.stop_ids, self.num_valid = tuple(stop_ids), int(num_valid)
@@ -176,7 +207,8 @@ class Generator:
         self.last_work: Work | None = None
 
     def _decoding(self, truncated: bool) -> Decoding:
-        return Decoding(self.max_new_tokens, self.stop_ids, self.num_valid, truncated)
+        return Decoding(self.max_new_tokens, self.stop_ids, self.num_valid, truncated,
+                        self.record_routes)
 
     def _jit(self, fn, **jit_kwargs):
         if self.placement is None:
@@ -204,7 +236,8 @@ class Generator:
                     rows, rep = p.batch, p.replicated
                     self._fns[key] = p.jit(generate, in_shardings=(
                         p.params, rows, rows, rows, rows, rows, rows, rep, rep, rep,
-                        (rep,) * len(Truncation._fields)), out_shardings=(rows,) * 6)
+                        (rep,) * len(Truncation._fields)),
+                        out_shardings=(rows,) * (8 if self.record_routes else 6))
         return self._fns[key]
 
     def _inputs(self, prompts, temperature: float, truncation: Truncation | None,
@@ -326,4 +359,5 @@ class Generator:
             tokens = int(lens[:len(prompts)].sum())  # the compact engine counts its own
             self.last_work = Work(tokens * group_size, int(size * width), size * steps, slots,
                                   slots)
-        return Rollout(*(x[:rows] for x in out), PATH_TRUNCATED if truncated else PATH_GUMBEL)
+        path = PATH_TRUNCATED if truncated else PATH_GUMBEL
+        return Rollout(*(x[:rows] for x in out[:6]), path, *(x[:rows] for x in out[6:]))

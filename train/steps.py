@@ -49,17 +49,26 @@ def _head_args(b, *, skip: bool, bucket: int | None) -> dict:
 
 
 def _policy(mdef: ModelDef, params: Params, b, *, skip: bool, bucket: int, temperature: float,
-            with_entropy: bool, frozen: tuple[str, ...] = ()):
+            with_entropy: bool, frozen: tuple[str, ...] = (), replay: bool = False):
     """``(HeadOutput, DecoderOutput)`` of ``params`` on the batch
-    (``Transformer.token_logprobs``)."""
+    (``Transformer.token_logprobs``); ``replay``: the MoE layers use the batch's
+    ``routes`` (routing replay).
+
+    Raises:
+      ValueError: ``replay`` and a batch without ``routes`` (a rollout that recorded
+        none).
+    """
     model = mdef.merge(_stop_frozen(params, frozen))
     min_logit = None  # the rollouts' truncated support, when the batch carries it
     if "min_logit" in b:
         min_logit = jnp.where(b["loss_mask"] > 0, b["min_logit"], -jnp.inf)
+    if replay and "routes" not in b:
+        raise ValueError("routing replay needs the batch's routes: the rollout recorded "
+                         "none (train.rollout.Generator(record_routes=True))")
     return model.token_logprobs(b["tokens"], b["positions"], b["segment_ids"],
                                 **_head_args(b, skip=skip, bucket=bucket),
                                 temperature=temperature, with_entropy=with_entropy,
-                                min_logit=min_logit)
+                                min_logit=min_logit, routes=b["routes"] if replay else None)
 
 
 def _aux_weight(mdef: ModelDef) -> float:
@@ -74,6 +83,33 @@ def _moe_metrics(mdef: ModelDef, out, share=1.0) -> dict:
     if not mdef.cfg.is_moe:
         return {}
     return {"moe_dropped_fraction": out.dropped_fraction * share}
+
+
+def _route_counts(out, b) -> dict:
+    """The routes the forward took against the sampler's, as counts the micro-batches
+    add up (``expert_disagreement`` divides them in ``grpo_step``): ``routes_recorded``,
+    the (token, MoE layer, slot) routes the batch's ``routes`` hold (-1: none), and
+    ``routes_differ``, those whose expert is not among the experts the forward's layer
+    used for that token (a set comparison: the order of a token's k experts is not a
+    disagreement). Nothing without recorded routes."""
+    if "routes" not in b or out.routes is None:
+        return {}
+    recorded, used = b["routes"], out.routes
+    known = recorded >= 0
+    found = jnp.any(recorded[..., :, None] == used[..., None, :], axis=-1)
+    return {"routes_recorded": jnp.sum(known, dtype=jnp.float32),
+            "routes_differ": jnp.sum(known & ~found, dtype=jnp.float32)}
+
+
+def _disagreement(metrics: dict) -> dict:
+    """``metrics`` with ``_route_counts``' counts replaced by ``expert_disagreement``:
+    the fraction of the sampler's recorded routes that the trainer's forward did not take
+    (0 when the forward replays them)."""
+    if "routes_recorded" not in metrics:
+        return metrics
+    metrics = dict(metrics)
+    total, differ = metrics.pop("routes_recorded"), metrics.pop("routes_differ")
+    return {**metrics, "expert_disagreement": differ / jnp.maximum(total, 1.0)}
 
 
 def _real_share(b, norm) -> jax.Array | float:
@@ -133,22 +169,23 @@ def sft_step(mdef: ModelDef, tx: optax.GradientTransformation,
 
 
 def reference_logprobs(mdef: ModelDef, placement: Placement | None = None, *,
-                       temperature: float, skip: bool = True):
+                       temperature: float, skip: bool = True, routing_replay: bool = False):
     """Jitted ``(params, batch, bucket) -> float32 [R, L]`` log-probs of the kept tokens
     (0 elsewhere) under ``params`` at ``temperature``: the frozen reference model's
     forward, through jaxhead on the kept tokens only (no logits kept). ``bucket`` is
-    static; ``placement``: as ``sft_step``."""
+    static; ``placement``: as ``sft_step``; ``routing_replay``: the MoE layers use the
+    batch's recorded ``routes`` (the old policy's forward under routing replay)."""
 
     def ref(params, b, bucket):
         head, _ = _policy(mdef, params, b, skip=skip, bucket=bucket, temperature=temperature,
-                          with_entropy=False)
+                          with_entropy=False, replay=routing_replay)
         return head.logprobs * b["loss_mask"]
 
     return _jit(ref, placement, lambda: placement.batch, static_argnames="bucket")
 
 
 def grpo_loss_fn(mdef: ModelDef, loss_cfg: rl_loss.LossConfig, temperature: float,
-                 skip: bool, frozen: tuple[str, ...] = ()):
+                 skip: bool, frozen: tuple[str, ...] = (), routing_replay: bool = False):
     """``(params, batch, ref_logp, num_seqs, bucket, norm=None) -> (loss,
     (metrics, logp))``, the differentiable GRPO objective on a packed batch whose values
     hold ``old_logp`` (the sampler's), ``advantages`` and optionally ``trainer_logp``
@@ -158,17 +195,20 @@ def grpo_loss_fn(mdef: ModelDef, loss_cfg: rl_loss.LossConfig, temperature: floa
     Switch loss of its own tokens) enters weighted by its share of the mini-batch's real
     tokens (``_real_share``), so the parts add up to the whole batch's when they route
     alike, and padding-only parts weigh 0 (MaxText #1483: weighing each of ``m`` parts
-    ``1 / m`` halved the loss with two padding-only parts of four)."""
+    ``1 / m`` halved the loss with two padding-only parts of four). ``routing_replay``:
+    the MoE layers use the batch's recorded ``routes``; a batch with ``routes`` also
+    gives ``_route_counts``."""
 
     def loss_fn(params, b, ref_logp, num_seqs, bucket, norm=None):
         head, out = _policy(mdef, params, b, skip=skip, bucket=bucket,
-                            temperature=temperature, with_entropy=True, frozen=frozen)
+                            temperature=temperature, with_entropy=True, frozen=frozen,
+                            replay=routing_replay)
         loss, metrics = rl_loss.grpo_loss(
             loss_cfg, head.logprobs, b["old_logp"], b["advantages"], b["loss_mask"],
             b["seq_index"], num_seqs, ref_logp=ref_logp, entropy=head.entropy,
             trainer_logp=b.get("trainer_logp"), norm=norm)
         share = _real_share(b, norm)
-        metrics = {**metrics, **_moe_metrics(mdef, out, share)}
+        metrics = {**metrics, **_moe_metrics(mdef, out, share), **_route_counts(out, b)}
         return loss + _aux_weight(mdef) * share * out.aux_loss, (metrics, head.logprobs)
 
     return loss_fn
@@ -192,7 +232,7 @@ def _combine(total: dict, part: dict) -> dict:
 
 
 def kept_counts_fn(mdef: ModelDef, loss_cfg: rl_loss.LossConfig, temperature: float,
-                   skip: bool):
+                   skip: bool, routing_replay: bool = False):
     """``(params, batch, num_seqs, bucket) -> (tokens, seqs)``: ``rl_loss.kept_counts`` of
     a packed batch, the tokens ratio masking keeps and the completions holding one. The
     ratio is taken against the batch's ``trainer_logp`` where known; where not (the
@@ -201,7 +241,7 @@ def kept_counts_fn(mdef: ModelDef, loss_cfg: rl_loss.LossConfig, temperature: fl
 
     def forward(params, b, bucket):
         head, _ = _policy(mdef, params, b, skip=skip, bucket=bucket, temperature=temperature,
-                          with_entropy=False)
+                          with_entropy=False, replay=routing_replay)
         return jax.lax.stop_gradient(head.logprobs)
 
     def counts(params, b, num_seqs, bucket):
@@ -262,7 +302,8 @@ def _accumulate(loss_fn, params, batches, refs, norm, num_seqs, bucket, count_fn
 
 def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_loss.LossConfig,
               placement: Placement | None = None, *, temperature: float, skip: bool = True,
-              frozen: tuple[str, ...] = (), return_logp: bool = False):
+              frozen: tuple[str, ...] = (), return_logp: bool = False,
+              routing_replay: bool = False):
     """Jitted ``(params, opt_state, batches, ref_logps | None, num_seqs, bucket, norm=None)
     -> (params, opt_state, metrics)`` (with ``return_logp`` also ``logps``, the trainer's
     log-probs of each micro-batch before the update, as its ``loss_mask``); ``num_seqs``
@@ -280,19 +321,28 @@ def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_los
 
     Besides ``grpo_loss``'s metrics: ``loss``, ``grad_norm``, the sampler-vs-trainer
     log-prob gap on the completion tokens before the update (``logprob_diff_mean``,
-    ``logprob_diff_max``: ``|logp_trainer - logp_sampler|``) and for an MoE model
-    ``moe_dropped_fraction`` (``_moe_metrics``).
+    ``logprob_diff_max``: ``|logp_trainer - logp_sampler|``), for an MoE model
+    ``moe_dropped_fraction`` (``_moe_metrics``) and, when the batches carry the
+    sampler's ``routes``, ``expert_disagreement`` (``_disagreement``: the fraction of the
+    sampler's (token, MoE layer, slot) routes the forward did not take).
+
+    ``routing_replay``: Rollout Routing Replay (R3; Ma et al. 2025, arXiv:2510.11370):
+    every forward of the policy (the update's, and the ratio-masking count's) routes each
+    token to the experts the sampler recorded (the batch's ``routes``), its gate values
+    from the trainer's router (``models.moe.layer.replay_route``), so
+    ``expert_disagreement`` is 0 and the router still trains.
 
     ``placement``: a multi-device ``train.placement.Placement`` compiles the step with
     its out-shardings under its mesh; None or one device: plain ``jax.jit``.
     """
-    loss_fn = grpo_loss_fn(mdef, loss_cfg, temperature, skip, frozen)
-    count_fn = (kept_counts_fn(mdef, loss_cfg, temperature, skip) if loss_cfg.masks_ratios
-                else None)
+    loss_fn = grpo_loss_fn(mdef, loss_cfg, temperature, skip, frozen, routing_replay)
+    count_fn = (kept_counts_fn(mdef, loss_cfg, temperature, skip, routing_replay)
+                if loss_cfg.masks_ratios else None)
 
     def step(params, opt_state, batches, ref_logps, num_seqs, bucket, norm=None):
         grads, metrics, logps = _accumulate(loss_fn, params, batches, ref_logps, norm,
                                             num_seqs, bucket, count_fn)
+        metrics = _disagreement(metrics)
         params, opt_state, metrics = _apply(tx, params, opt_state, grads, metrics["loss"],
                                             metrics)
         return (params, opt_state, metrics) + ((logps,) if return_logp else ())

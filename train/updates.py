@@ -135,12 +135,15 @@ class Sequences:
       values: name -> one float32 array per completion (its tokens' values: ``old_logp``,
         ``advantages``, ``min_logit``).
       group_size: completions per group.
+      routes: None, or per sequence the sampler's experts of its prompt and completion
+        tokens (``train.rollout.Rollout.sequence_routes``), packed beside the tokens.
     """
 
     prompts: list
     completions: list
     values: dict[str, list[np.ndarray]]
     group_size: int
+    routes: list[np.ndarray] | None = None
 
     @property
     def num_groups(self) -> int:
@@ -160,7 +163,9 @@ class Sequences:
         is completion ``ids[k]``)."""
         return packing.pack([self.prompts[i] for i in ids], [self.completions[i] for i in ids],
                             row_len, num_rows=num_rows,
-                            values={k: [v[i] for i in ids] for k, v in self.values.items()})
+                            values={k: [v[i] for i in ids] for k, v in self.values.items()},
+                            routes=None if self.routes is None else
+                            [self.routes[i] for i in ids])
 
 
 @dataclasses.dataclass
@@ -227,12 +232,15 @@ class Updater:
       row_multiple: each micro-batch's row count is a multiple of this (already a
         multiple of the placement's batch shards).
       bucket_multiple: the head's bucket ladder.
+      routing_replay: the policy's forwards (the updates' and the old policy's) use the
+        experts the sampler recorded (``train.steps.grpo_step``); the reference model's
+        routes its own.
     """
 
     def __init__(self, mdef, tx, loss_cfg: rl_loss.LossConfig, placement: Placement,
                  schedule: Schedule, *, temperature: float, skip: bool,
                  frozen: tuple[str, ...], row_len: int, row_multiple: int,
-                 bucket_multiple: int):
+                 bucket_multiple: int, routing_replay: bool = False):
         self.loss, self.placement, self.schedule = loss_cfg, placement, schedule
         self.skip, self.row_len = skip, row_len
         self.row_multiple, self.bucket_multiple = row_multiple, bucket_multiple
@@ -245,9 +253,12 @@ class Updater:
                                   and loss_cfg.corrects_mismatch and schedule.epochs > 1)
         self.step = steps.grpo_step(mdef, tx, loss_cfg, placement, temperature=temperature,
                                     skip=skip, frozen=frozen,
-                                    return_logp=self.record_first_seen)
+                                    return_logp=self.record_first_seen,
+                                    routing_replay=routing_replay)
         self.forward = steps.reference_logprobs(mdef, placement, temperature=temperature,
                                                 skip=skip)
+        self.old_forward = self.forward if not routing_replay else steps.reference_logprobs(
+            mdef, placement, temperature=temperature, skip=skip, routing_replay=True)
 
     def _max_kept(self, piece: packing.PackedBatch) -> int:
         """The most positions ``piece`` can keep: its sequences x the longest completion."""
@@ -336,7 +347,7 @@ class Updater:
                 mb.ref_logps = tuple(self.forward(ref_params, b, bucket) for b in mb.batches)
             for b in mb.batches:
                 if self.old_policy_forward:
-                    b["trainer_logp"] = self.forward(params, b, bucket)
+                    b["trainer_logp"] = self.old_forward(params, b, bucket)
                 elif self.record_first_seen:
                     b["trainer_logp"] = self._place_array(
                         np.full(b["loss_mask"].shape, np.nan, np.float32))

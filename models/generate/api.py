@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 import jaxhead
 from models.invariant import head_logprobs, row_tiled
 from models.mesh import BATCH_AXES, active_mesh, present
+from models.transformer import moe_layers
 
 #: The engines: ``reference`` (the whole batch decodes until its longest row stops) and
 #: ``compact`` (one prefill per prompt; finished rows leave the batch between chunks).
@@ -58,12 +59,15 @@ class Decoding(NamedTuple):
       num_valid: only ids below it are drawn.
       truncated: the sampler path: True, top-k / top-p / min-p from full float32 logits
         (the settings traced); False, jaxhead's chunked Gumbel-max (no ``[B, V]`` logits).
+      record_routes: an MoE model's engine also records the experts every token it runs
+        used at every MoE layer (``record_routes``; for routing replay).
     """
 
     max_new_tokens: int
     stop_ids: tuple[int, ...]
     num_valid: int
     truncated: bool
+    record_routes: bool = False
 
 
 def along_batch(tree):
@@ -176,6 +180,37 @@ def _invariant_draw(model, hidden, keys, temperature, truncation: dict, d: Decod
                          with_entropy=False,
                          min_logit=min_logit if d.truncated else None).logprobs
     return jaxhead.Sample(tokens, logp, min_logit, logmass)
+
+
+#: A recorded route's value where no token ran (prompt padding, a completion's last
+#: token, after it): ``Transformer``'s routing replay then takes the token's own top-k.
+NO_ROUTE = -1
+
+
+def record_routes(model, routes: jax.Array, real: jax.Array) -> jax.Array:
+    """The routes an engine records of one model call: ``DecoderOutput.routes`` int32
+    ``[R, T, M, k]`` with ``NO_ROUTE`` where ``real`` (bool ``[R, T]``) is False.
+
+    A rollout's routes are a row's prompt routes ``[W, M, k]`` (prefill: the prompt's
+    tokens) and its completion routes ``[T, M, k]``: decode step ``t`` runs completion
+    token ``t - 1`` and records its experts at index ``t - 1``, so a completion of ``n``
+    tokens has routes at ``0 .. n - 2`` (its last token is drawn, never run). Memory:
+    ``M x k`` int32 per token (the 30B preset: 48 x 8 x 4 B = 1.5 KiB).
+
+    Raises:
+      ValueError: ``model`` has no MoE layer (``routes`` None).
+    """
+    if routes is None:
+        raise ValueError(f"recording routes needs an MoE model; {type(model).__name__} "
+                         f"has no MoE layer (num_experts = {model.cfg.num_experts})")
+    return jnp.where(real[:, :, None, None], routes, NO_ROUTE)
+
+
+def empty_routes(model, rows: int, steps: int) -> jax.Array:
+    """int32 ``[rows, steps, M, k]`` holding ``NO_ROUTE`` (M: the MoE layers)."""
+    cfg = model.cfg
+    return jnp.full((rows, steps, moe_layers(cfg), cfg.num_experts_per_tok), NO_ROUTE,
+                    jnp.int32)
 
 
 def empty_record(rows: int, steps: int) -> tuple[jax.Array, ...]:

@@ -56,8 +56,10 @@ from models.generate.api import (
     along_batch,
     draw,
     empty_record,
+    empty_routes,
     ended,
     masked,
+    record_routes,
     row_requests,
 )
 from models.generate.pages import PageAllocator
@@ -127,7 +129,9 @@ def prefill(model, pools, prompts, plens, src, dest, prompt_of, row_ids, request
     Returns:
       ``(pools, first, record)``: ``first`` = ``Rows`` of every row after its first token
       (``[B']``); ``record`` = ``(tokens, logprobs, min_logit, logmass)`` ``[B', T]``,
-      ``lengths`` ``[B']``, ``stopped`` ``[B']``.
+      ``lengths`` ``[B']``, ``stopped`` ``[B']``; with ``d.record_routes`` also the rows'
+      prompt routes ``[B', W, M, k]`` and completion routes ``[B', T, M, k]``
+      (``models.generate.api.record_routes``).
     """
     width = prompts.shape[1]
     pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), prompts.shape)
@@ -148,7 +152,12 @@ def prefill(model, pools, prompts, plens, src, dest, prompt_of, row_ids, request
                             budgets, length, stopped | spent | pad, stopped & ~pad))
     record = tuple(r.at[:, 0].set(x) for r, x in
                    zip(empty_record(num_rows, d.max_new_tokens), first))
-    record = along_batch((*record, length, rows.stopped))
+    routes = ()
+    if d.record_routes:  # each row's prompt's routes, then its completion's (decode_chunk)
+        real = pos[prompt_of] < plens[prompt_of][:, None]
+        routes = (record_routes(model, out.routes[prompt_of], real),
+                  empty_routes(model, num_rows, d.max_new_tokens))
+    record = along_batch((*record, length, rows.stopped, *routes))
     return along_pages((tuple(keys), tuple(values))), rows, record
 
 
@@ -191,6 +200,8 @@ def decode_chunk(model, pools, rows: Rows, tables, record, key, start, chunk, te
         ``lockstep`` (the rows started together); otherwise each row draws step
         ``length`` with its own key.
       chunk: int32 scalar (traced): the most steps to run.
+      record: ``prefill``'s; with ``d.record_routes`` each step also writes the experts
+        of the token it runs (completion token ``length - 1``) into the completion routes.
 
     Returns:
       ``(pools, rows, record, steps run)``.
@@ -206,22 +217,26 @@ def decode_chunk(model, pools, rows: Rows, tables, record, key, start, chunk, te
         step = start + k if lockstep else r.length
         new = masked(draw(model, o.hidden[:, 0], key, step, temperature, trunc, d,
                           r.request, r.sample), r.done)
-        *fields, lengths, stopped = record
+        fields, (lengths, stopped), routes = record[:4], record[4:6], record[6:]
         col = jnp.where(r.done, d.max_new_tokens, r.length)  # finished rows: dropped
         fields = [f.at[r.row_ids, col].set(x, mode="drop") for f, x in zip(fields, new)]
+        if routes:  # completion token length - 1 ran: its experts
+            ran = jnp.where(r.done, d.max_new_tokens, r.length - 1)
+            routes = (routes[0], routes[1].at[r.row_ids, ran].set(o.routes[:, 0],
+                                                                  mode="drop"))
         length = r.length + (~r.done).astype(jnp.int32)
         stop, spent = ended(new[0], length, r.budgets, d)
         r = r._replace(tokens=new[0], length=length, done=r.done | stop | spent,
                        stopped=r.stopped | (stop & ~r.done))
         pools = along_pages((o.cache.keys, o.cache.values))
-        return k + 1, pools, along_batch(r), (*fields, lengths, stopped)
+        return k + 1, pools, along_batch(r), (*fields, lengths, stopped, *routes)
 
     k, pools, rows, record = jax.lax.while_loop(
         cond, body, (jnp.int32(0), pools, rows, record))
-    *fields, lengths, stopped = record
+    fields, (lengths, stopped), routes = record[:4], record[4:6], record[6:]
     lengths = lengths.at[rows.row_ids].set(rows.length, mode="drop")
     stopped = stopped.at[rows.row_ids].set(rows.stopped, mode="drop")
-    return pools, rows, (*fields, lengths, stopped), k
+    return pools, rows, (*fields, lengths, stopped, *routes), k
 
 
 def grow_pool(pools, pages: int):

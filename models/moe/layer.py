@@ -89,6 +89,43 @@ def router_stats(probs: jax.Array, experts: jax.Array, token_mask: jax.Array,
     return RouterStats(m @ onehot, m @ probs, jnp.sum(m), dropped)
 
 
+def replay_route(logits: jax.Array, experts: jax.Array, top_k: int, norm_topk_prob: bool):
+    """Routing replay (R3): ``route`` with the experts given, where given.
+
+    Rollout Routing Replay (Ma et al. 2025, arXiv:2510.11370, Sec. 3): the trainer's
+    forward takes the experts the rollout engine chose for a token, and the gate values
+    from its own router, so the router keeps its gradient. Here each replayed token's
+    weights are the trainer's softmax over all experts gathered at the replayed experts,
+    renormalised to sum to 1 when ``norm_topk_prob`` (the paper's softmax over the
+    replayed experts' logits; Qwen3-MoE's setting), else left as they are, as the
+    model's own top-k would weigh them. A token whose first entry is negative (no
+    recorded route: padding, or a completion's last token, never fed to the sampler)
+    takes its own top-k.
+
+    Args:
+      logits: float32 ``[T, E]`` the trainer's router logits.
+      experts: int32 ``[T, k]`` the recorded experts (``-1`` rows: none recorded).
+      top_k: k. norm_topk_prob: as ``route``.
+
+    Returns:
+      ``(probs [T, E] f32, weights [T, k] f32, experts [T, k] int32)`` as ``route``'s: the
+      experts used (the replayed ones where given).
+
+    Raises:
+      ValueError: ``experts`` not ``[T, k]`` (the shapes named).
+    """
+    if experts.shape != (logits.shape[0], top_k):
+        raise ValueError(f"replayed experts must be [tokens, top_k] = "
+                         f"{[logits.shape[0], top_k]}, got {list(experts.shape)}")
+    probs, weights, own = route(logits, top_k, norm_topk_prob)
+    given = experts[:, :1] >= 0
+    chosen = jnp.where(given, experts.astype(jnp.int32), own)
+    gathered = jnp.take_along_axis(probs, chosen, axis=-1)
+    if norm_topk_prob:
+        gathered = gathered / jnp.sum(gathered, axis=-1, keepdims=True)
+    return probs, jnp.where(given, gathered, weights), chosen
+
+
 class MoE(nnx.Module):
     """Sparse MoE feed-forward block of Qwen3-MoE.
 
@@ -113,8 +150,8 @@ class MoE(nnx.Module):
         self.up_proj = param(rngs, (e, h, i), ("expert", "embed", "mlp"), pd, in_axes=(1,))
         self.down_proj = param(rngs, (e, i, h), ("expert", "mlp", "embed"), pd, in_axes=(1,))
 
-    def __call__(self, x: jax.Array, token_mask: jax.Array, *, split_tokens: bool = False
-                 ) -> tuple[jax.Array, RouterStats]:
+    def __call__(self, x: jax.Array, token_mask: jax.Array, *, split_tokens: bool = False,
+                 replay: jax.Array | None = None, with_experts: bool = False):
         """Route and run the experts.
 
         Args:
@@ -124,9 +161,15 @@ class MoE(nnx.Module):
           split_tokens: the rows' tokens are split over the mesh's ``context`` axis
             (training and scoring; ``models.context``): the expert dispatch then takes
             them in token-major order. False (decoding with a KV cache): rows only.
+          replay: None (the router's own top-k), or int32 ``[B, T, k]`` experts to use
+            instead (routing replay, ``replay_route``; ``-1`` rows: the token's own).
+
+          with_experts: also return the experts each token used (what a rollout engine
+            records, and the trainer compares with the record).
 
         Returns:
-          ``(y [B, T, H] compute dtype, RouterStats)``.
+          ``(y [B, T, H] compute dtype, RouterStats)``; with ``with_experts`` also
+          ``experts [B, T, k] int32``.
         """
         dt = self.dtype
         mesh = jax.sharding.get_abstract_mesh()
@@ -137,7 +180,12 @@ class MoE(nnx.Module):
         flat = x.reshape(-1, shape[-1]).astype(dt)
         logits = jnp.einsum("th,he->te", flat, self.router[...].astype(dt),
                             preferred_element_type=jnp.float32)
-        probs, weights, experts = route(logits, self.top_k, self.norm_topk_prob)
+        if replay is None:
+            probs, weights, experts = route(logits, self.top_k, self.norm_topk_prob)
+        else:  # routing replay: the recorded experts, the trainer's gate values
+            replay = context.to_token_major(replay, c).reshape(-1, self.top_k)
+            probs, weights, experts = replay_route(logits, replay, self.top_k,
+                                                   self.norm_topk_prob)
         params = (self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt),
                   self.down_proj[...].astype(dt))
         mask = token_mask.reshape(-1)
@@ -154,7 +202,10 @@ class MoE(nnx.Module):
                 token_axes=context.token_axes(mesh) if c > 1 else None)
             dropped = jnp.sum(lost, dtype=jnp.float32)
         stats = router_stats(probs, experts, mask, dropped)
-        return context.from_token_major(y.reshape(shape), c), stats
+        y = context.from_token_major(y.reshape(shape), c)
+        if not with_experts:
+            return y, stats
+        return y, stats, context.from_token_major(experts.reshape(*shape[:-1], self.top_k), c)
 
     def tile(self, x: jax.Array, token_mask: jax.Array):
         """The block on one row tile under ``numerics="invariant"``

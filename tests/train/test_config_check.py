@@ -66,7 +66,7 @@ BAD = {
 ANY_VALUE = {"data.system_prompt", "model.remat", "data.prefill_answer_tag",
              "data.stop_at_close_tag", "train.skip_unkept", "eval.before_after",
              "metrics.tensorboard", "distributed.enabled", "export.hf_dir",
-             "export.replace"}
+             "export.replace", "loss.routing_replay"}
 
 
 def _set(cfg, key: str, value) -> None:
