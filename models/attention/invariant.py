@@ -70,12 +70,9 @@ def _attend(q: jax.Array, positions: jax.Array, live: jax.Array, ctx, fetch: Cal
 
             def update(carry):
                 m, l, acc = carry
-                k, v = fetch(ctx_t, x)
                 sel = valid[:, :, None, None]
-                k = jnp.where(sel, k, jnp.zeros((), k.dtype))
-                v = jnp.where(sel, v, jnp.zeros((), v.dtype))
-                s = jnp.einsum("qkgd,qlkd->qkgl", q_t, k,
-                               preferred_element_type=jnp.float32) * scale
+                k, v = (jnp.where(sel, y.astype(jnp.float32), 0.0) for y in fetch(ctx_t, x))
+                s = jnp.einsum("qkgd,qlkd->qkgl", q_t, k) * scale
                 mask = valid[:, None, None, :]
                 s = jnp.where(mask, s, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(-1))
@@ -85,8 +82,7 @@ def _attend(q: jax.Array, positions: jax.Array, live: jax.Array, ctx, fetch: Cal
                 # leaves its (m, l, acc) bitwise as they were
                 corr = jnp.where(m_new == m, 1.0,
                                  jnp.where(jnp.isfinite(m), jnp.exp(m - safe), 0.0))
-                pv = jnp.einsum("qkgl,qlkd->qkgd", p.astype(v.dtype), v,
-                                preferred_element_type=jnp.float32)
+                pv = jnp.einsum("qkgl,qlkd->qkgd", p, v)
                 return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
             return lax.cond(valid.any(), update, lambda c: c, carry)
@@ -94,7 +90,7 @@ def _attend(q: jax.Array, positions: jax.Array, live: jax.Array, ctx, fetch: Cal
         _, l, acc = lax.fori_loop(0, num_blocks, block, init)
         return (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(out_dtype)
 
-    xs = (tiles(q), tiles(positions.astype(jnp.int32)), tiles(live),
+    xs = (tiles(q.astype(jnp.float32)), tiles(positions.astype(jnp.int32)), tiles(live),
           jax.tree.map(tiles, ctx))
     out = lax.map(one_tile, xs)
     return out.reshape(padded, *out.shape[2:])[:count]
@@ -153,7 +149,7 @@ _trained.defvjp(_trained_fwd, _trained_bwd)
 def _packed_forward(q, k, v, positions, segment_ids, scale):
     b, t, n, d = q.shape
     kv_heads = k.shape[2]
-    flat_k, flat_v = k.reshape(b * t, kv_heads, d), v.reshape(b * t, kv_heads, d)
+    flat_k, flat_v = (y.reshape(b * t, kv_heads, d).astype(jnp.float32) for y in (k, v))
     index = jnp.arange(b * t, dtype=jnp.int32)
     start = index - positions.reshape(-1).astype(jnp.int32)  # the sequence's first slot
 
