@@ -31,8 +31,11 @@ import jaxhead
 
 #: ``ModelConfig.numerics`` values.
 NUMERICS = ("default", "invariant")
-#: Rows per tile of every per-token computation (and of the head's token chunk).
-ROW_TILE = 16
+#: Rows per tile of every per-token computation (and of the head's token chunk, and of
+#: the attention's queries). Decode batches are padded to it: 32 costs a rollout of 32
+#: rows nothing over 16 and halves the update's tile loop (docs/numerics.md, measured
+#: with benchmarks/invariant.py).
+ROW_TILE = 32
 #: Vocabulary columns per chunk of the head's scan, on both sides.
 VOCAB_CHUNK = 8192
 #: The only attention implementations the mode accepts (``"auto"`` resolves to it).
