@@ -20,6 +20,13 @@ counted) and that rate as a share of the measured bf16 matmul rate of the device
 max absolute differences to the XLA path for log-probs, entropy, ``d hidden`` and ``d W``
 (computed in float32; the gradients are bf16).
 
+Then the on-policy check of ``model.numerics = "invariant"`` (issue #41) on the same
+device: a rollout of a tiny dense model (the ``tiny`` preset, 2 layers) by the ``compact``
+engine, scored by one GRPO step's forward on the packed rollout
+(``harness.on_policy``), in float32 and bf16 compute: the table says whether the sampler's
+log-probs equal the trainer's bit for bit (``np.array_equal``; the exit status is 1 if not)
+and the largest difference.
+
 ``--resources`` needs no GPU, only the ``triton`` package: it compiles every Triton kernel
 (forward and the backward's ``du``) of the cases of ``harness/triton_compile.py`` to
 an sm_90 cubin and prints registers per thread, shared memory per block and local memory
@@ -164,6 +171,40 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+#: The on-policy check's workload (``harness.on_policy.workload``): full run and dry run.
+ON_POLICY = {"prompts": 8, "group": 4, "new_tokens": 24, "row_len": 128}
+ON_POLICY_DRY = {"prompts": 2, "group": 2, "new_tokens": 4, "row_len": 64}
+
+
+def on_policy_rows(dtypes, sizes: dict) -> list[dict]:
+    """Per dtype: the sampler's vs the trainer's log-probs under ``numerics="invariant"``
+    (``harness.on_policy.gap``: ``equal``, ``max``, ``tokens``), or ``error``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness, models, train
+    from harness import on_policy
+
+    rows = []
+    for dtype in dtypes:
+        try:
+            work = on_policy.workload("tiny", numerics="invariant", dtype=dtype, **sizes)
+            rows.append({"dtype": dtype, **on_policy.gap(work)})
+        except Exception as err:  # noqa: BLE001 - report it in the table
+            rows.append({"dtype": dtype,
+                         "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"})
+    return rows
+
+
+def format_on_policy(rows: list[dict]) -> str:
+    lines = ["numerics=invariant, tiny dense model: sampler log-probs vs the GRPO step's",
+             f"{'dtype':<10}{'tokens':>8}{'max|diff|':>12}{'bit_equal':>11}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['dtype']:<10}FAILED {r['error']}")
+        else:
+            lines.append(f"{r['dtype']:<10}{r['tokens']:>8}{r['max']:>12.3g}"
+                         f"{r['equal']!s:>11}")
+    return "\n".join(lines)
+
+
 def print_resources() -> int:
     """The ``--resources`` table; 2 without ``triton``, 1 if a kernel spills."""
     try:
@@ -228,9 +269,12 @@ def main(argv=None) -> int:
           f"{6 * sizes['n'] * sizes['hidden'] * sizes['vocab'] / 1e12:.3f} TFLOP; "
           f"differences are max |impl - xla|")
     print(format_table(rows))
+    checks = on_policy_rows(("bfloat16",) if args.dry_run else ("float32", "bfloat16"),
+                            ON_POLICY_DRY if args.dry_run else ON_POLICY)
+    print(format_on_policy(checks))
     print(f"elapsed {time.perf_counter() - t0:.1f} s")
     ok = all("error" not in r and r["finite"] for r in rows)
-    return 0 if ok else 1
+    return 0 if ok and all(r.get("equal") for r in checks) else 1
 
 
 if __name__ == "__main__":

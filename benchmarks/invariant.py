@@ -3,11 +3,12 @@ default numerics on one workload, and the sampler-trainer log-prob gap of each.
 
     python benchmarks/invariant.py                   # tiny preset, bf16 compute
     python benchmarks/invariant.py --preset tiny-moe # the MoE variant, + its MoE block
-    python benchmarks/invariant.py --prompts 16 --group 8 --new-tokens 32
+    python benchmarks/invariant.py --layers 4 --prompts 16 --group 8 --new-tokens 32
 
-Workload: a freshly initialised ``--preset`` decoder (``models.PRESETS``) untied, ``--dtype`` compute,
-``--prompts`` prompts of 8-40 tokens, ``--group`` samples each, ``--new-tokens`` tokens
-(no stop token), the ``compact`` engine at temperature 1; then one GRPO update
+Workload (``harness.on_policy.workload``): a freshly initialised ``--preset`` decoder
+(``models.PRESETS``; ``--layers`` of them) untied, ``--dtype`` compute, ``--prompts``
+prompts of 8-40 tokens, ``--group`` samples each, ``--new-tokens`` tokens (no stop
+token), the ``compact`` engine at temperature 1; then one GRPO update
 (``train.steps.grpo_step``: forward, backward, AdamW) on the rollout packed into rows of
 ``--row-len`` tokens. Each is compiled by a first call, then timed over ``--repeats``
 calls (the median; process CPU seconds and wall seconds). The gap: ``|logp_trainer -
@@ -28,20 +29,16 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's packages
+from harness import on_policy
 from harness.machine import describe
 from models import Transformer, get_config
 from models.attention import api as attention
 from models.invariant import row_tiled
 from models.moe.invariant import tile_logits
 from models.moe.layer import route
-from train import packing, rl_loss, rollout, steps
-from train.placement import place_batch
-from train.state import ModelDef, params_of
 
 
 def _timed(fn, repeats: int) -> tuple[float, float, object]:
@@ -57,47 +54,20 @@ def _timed(fn, repeats: int) -> tuple[float, float, object]:
 
 
 def measure(numerics: str, args) -> dict:
-    cfg = get_config(args.preset, dtype=args.dtype, tie_word_embeddings=False,
-                     numerics=numerics)
-    mdef, params = ModelDef.of(cfg), params_of(Transformer(cfg, rngs=nnx.Rngs(0)))
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(10, 500, int(n)).tolist()
-               for n in rng.integers(8, 41, args.prompts)]
-    gen = rollout.Generator(mdef, max_new_tokens=args.new_tokens, stop_ids=(),
-                            num_valid=500, engine="compact", page_size=16)
-
-    def sample():
-        return gen(params, prompts, jax.random.key(1), temperature=1.0,
-                   group_size=args.group)
-
-    r_cpu, r_wall, ro = _timed(sample, args.repeats)
-    comps = [ro.completion(i) for i in range(len(ro.lengths))]
-    adv = rng.normal(size=len(comps)).astype(np.float32)
-    packed = packing.pack(
-        [prompts[i // args.group] for i in range(len(comps))], comps, args.row_len,
-        row_multiple=2,
-        values={"old_logp": [ro.logprobs[i, :len(c)] for i, c in enumerate(comps)],
-                "advantages": [np.full(len(c), adv[i]) for i, c in enumerate(comps)]})
-    batch = place_batch(packed.arrays("old_logp", "advantages"))
-    tx = optax.adamw(1e-4)
-    step = steps.grpo_step(mdef, tx, rl_loss.LossConfig(), temperature=1.0)
-    opt_state = tx.init(params)
-
-    def update():  # the step donates its inputs: fresh copies each call
-        p = jax.tree.map(lambda x: x.copy(), params)
-        o = jax.tree.map(lambda x: x.copy(), opt_state)
-        return step(p, o, (batch,), None, packed.num_seqs, packed.bucket())[2]
-
-    u_cpu, u_wall, metrics = _timed(update, args.repeats)
+    work = on_policy.workload(args.preset, numerics=numerics, dtype=args.dtype,
+                              layers=args.layers, prompts=args.prompts, group=args.group,
+                              new_tokens=args.new_tokens, row_len=args.row_len)
+    r_cpu, r_wall, _ = _timed(work.sample, args.repeats)
+    u_cpu, u_wall, _ = _timed(work.update, args.repeats)
+    gap = on_policy.gap(work)
     return {"rollout": (r_cpu, r_wall), "update": (u_cpu, u_wall),
-            "gap": (float(metrics["logprob_diff_max"]), float(metrics["logprob_diff_mean"])),
-            "tokens": int(packed.num_kept)}
+            "gap": (gap["max"], gap["mean"]), "tokens": gap["tokens"]}
 
 
 def attention_cost(args) -> dict:
     """CPU seconds of one layer's attention, forward and forward + backward, at the
     update's shape (8 packed rows of ``--row-len``), ``"invariant"`` vs ``"xla_chunked"``."""
-    cfg = get_config("tiny")
+    cfg = get_config(args.preset)
     b, t = 8, args.row_len
     n, k, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     keys = jax.random.split(jax.random.key(0), 3)
@@ -173,6 +143,7 @@ def moe_cost(args) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny")
+    p.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=24)
@@ -181,7 +152,9 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
     rows = {n: measure(n, args) for n in ("default", "invariant")}
-    print(f"# model.numerics: {args.preset} preset, {args.dtype} compute, {args.prompts} prompts x "
+    layers = f", {args.layers} layers" if args.layers else ""
+    print(f"# model.numerics: {args.preset} preset{layers}, {args.dtype} compute, "
+          f"{args.prompts} prompts x "
           f"{args.group} samples x {args.new_tokens} tokens "
           f"({rows['default']['tokens']} completion tokens); {describe()}")
     print("| numerics | rollout CPU s (wall) | update CPU s (wall) | logprob_diff max | "

@@ -98,6 +98,8 @@ def main(argv=None) -> None:
     parser.add_argument("--config", default=CONFIG,
                         help="the trainer config (configs/<name>.py) whose dtypes, optimizer "
                              "and loss settings the step uses (default: %(default)s)")
+    parser.add_argument("--numerics", default="default",
+                        help="ModelConfig.numerics (invariant: one device, --mesh data=1)")
     args = parser.parse_args(argv)
     meshes = [parse_mesh(m) for m in (args.mesh or ["fsdp=8,expert=8"])]
     devices = max(math.prod(m.values()) for m in meshes)
@@ -107,7 +109,8 @@ def main(argv=None) -> None:
 
     settings = shipped(args.config)
     print(f"trainer config configs/{args.config}.py: {settings['dtype']} compute, "
-          f"{settings['param_dtype']} parameters and optimizer moments\n")
+          f"{settings['param_dtype']} parameters and optimizer moments, numerics "
+          f"{args.numerics}\n")
     print("| preset | mesh | devices | tokens/device | params GiB | Adam m+v GiB | "
           "temporaries GiB | host temporaries GiB | peak GiB | fits | compile s | "
           "compiled for | dispatch | Mosaic kernels |")
@@ -121,7 +124,8 @@ def main(argv=None) -> None:
                           remat_policy=args.remat_policy,
                           topology=args.topology, scan=not args.no_scan, dispatch=dispatch,
                           capacity_factor=args.capacity_factor,
-                          moe_token_chunk=args.moe_token_chunk, config=args.config)
+                          moe_token_chunk=args.moe_token_chunk, config=args.config,
+                          numerics=args.numerics)
             peak = "-" if row["peak"] is None else f"{row['peak']:.3g}"
             print("| {preset} | {mesh} | {devices} | {tokens} | {params:.3g} | {adam:.3g} | "
                   "{temp:.3g} | {host_temp:.3g} | {p} | {fits} | {compile:.0f} | {target} | {dispatch} | "

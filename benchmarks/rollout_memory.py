@@ -66,12 +66,12 @@ def _memory(lowered) -> tuple[float, float, float, float]:
 
 
 def measure(config: str, preset: str, topology: str, mesh_sizes: dict[str, int] | None,
-            layers: int, dispatch: str | None = None):
+            layers: int, dispatch: str | None = None, numerics: str = "default"):
     """The table's rows: ``(function, KV slots per device, arguments, temporaries, peak,
-    compile s)``, and a description of the run."""
+    compile s)``, and a description of the run (``numerics``: ``ModelConfig.numerics``)."""
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / f"{config}.py"))
     model_cfg = get_config(preset, dtype=cfg.model.dtype,
-                           param_dtype=cfg.model.param_dtype)
+                           param_dtype=cfg.model.param_dtype, numerics=numerics)
     if layers:
         model_cfg = model_cfg.replace(num_hidden_layers=layers)
     if dispatch:
@@ -143,7 +143,7 @@ def measure(config: str, preset: str, topology: str, mesh_sizes: dict[str, int] 
                         *_memory(low)))
     where = (f"{config}: {preset} ({model_cfg.num_hidden_layers} layers, "
              f"{model_cfg.dtype} compute, {model_cfg.param_dtype} parameters, expert "
-             f"dispatch {model_cfg.expert_dispatch}), mesh "
+             f"dispatch {model_cfg.expert_dispatch}, numerics {model_cfg.numerics}), mesh "
              + " x ".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1)
              + f" on {'XLA:CPU' if topology == 'cpu' else topology}; {prompts} prompts x "
              f"G = {group} ({rows} rows, {per} per device), prompts of {width} tokens, T = {steps}, page size {size}, decode "
@@ -163,11 +163,13 @@ def main(argv=None) -> None:
     p.add_argument("--dispatch", default=None,
                    help="expert_dispatch (default: the preset's); v5e needs dense: its "
                         "limited ICI routing has no ragged all-to-all")
+    p.add_argument("--numerics", default="default",
+                   help="ModelConfig.numerics (invariant: one device, --mesh data=1)")
     args = p.parse_args(argv)
     sizes = None if args.mesh is None else {
         k: int(v) for k, v in (item.split("=") for item in args.mesh.split(","))}
     rows, where = measure(args.config, args.preset, args.topology, sizes, args.layers,
-                          args.dispatch)
+                          args.dispatch, args.numerics)
     print(describe())
     print(where)
     print()

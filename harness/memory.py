@@ -68,7 +68,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
             layers: int, remat: bool = False, remat_policy: str = "nothing_saved",
             topology: str | None = None, scan: bool = True, dispatch: str = "dense",
             capacity_factor: float | None = None, moe_token_chunk: int | None = None,
-            config: str = CONFIG) -> dict:
+            config: str = CONFIG, numerics: str = "default") -> dict:
     """Compile the trainer's GRPO step (``train.steps.grpo_step``: its loss, its head on the
     kept tokens, its placement) for ``mesh_sizes`` on abstract shapes; per-device GiB and
     the lower + compile seconds.
@@ -90,6 +90,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
         ``expert_capacity_factor`` / ``moe_token_chunk``.
       config: the trainer config (``configs/<config>.py``) whose dtypes, optimizer and
         loss settings the step uses (``shipped``).
+      numerics: ``ModelConfig.numerics`` (``"invariant"``: on a one-device mesh).
 
     Returns:
       a dict of the table's columns (``benchmarks/memory.py``): sizes in GiB per device.
@@ -105,7 +106,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
 
     settings = shipped(config)
     cfg = get_config(preset, dtype=settings["dtype"], param_dtype=settings["param_dtype"],
-                     remat=remat, remat_policy=remat_policy)
+                     remat=remat, remat_policy=remat_policy, numerics=numerics)
     cfg = cfg.replace(scan_layers=cfg.scan_layers and scan, expert_dispatch=dispatch,
                       expert_capacity_factor=capacity_factor, moe_token_chunk=moe_token_chunk)
     if layers:

@@ -44,8 +44,11 @@ from models.mesh import BATCH_AXES, CONTEXT_AXIS
 
 #: ``ModelConfig.numerics`` values.
 NUMERICS = ("default", "invariant")
-#: Rows per tile of every per-token computation (and of the head's token chunk).
-ROW_TILE = 16
+#: Rows per tile of every per-token computation (and of the head's token chunk, and of
+#: the attention's queries). Decode batches are padded to it: 32 costs a rollout of 32
+#: rows nothing over 16 and halves the update's tile loop (docs/numerics.md, measured
+#: with benchmarks/invariant.py).
+ROW_TILE = 32
 #: Vocabulary columns per chunk of the head's scan, on both sides.
 VOCAB_CHUNK = 8192
 #: The only attention implementations the mode accepts (``"auto"`` resolves to it).
@@ -163,7 +166,8 @@ def row_tiled(fn: Callable, *xs: jax.Array, lead: int = 2, tile: int = ROW_TILE,
 
     Args:
       fn: ``fn(*modules, *tiles) -> pytree`` of arrays: ``[tile, ...]`` in, ``[tile,
-        ...]`` out, row ``i`` of each output a function of row ``i`` of the inputs only.
+        ...]`` out, row ``i`` of each output a function of row ``i`` of the inputs only;
+        a pure function of its arguments and of arrays it closes over (differentiable).
       xs: arrays whose first ``lead`` dimensions are the same (e.g. ``[B, T, H]`` hidden
         states and ``[B, T]`` positions with ``lead=2``): the token rows.
       lead: how many leading dimensions index the rows.
@@ -175,7 +179,13 @@ def row_tiled(fn: Callable, *xs: jax.Array, lead: int = 2, tile: int = ROW_TILE,
 
     The rows (the ``lead`` dimensions flattened) are padded with zeros to a multiple of
     ``tile`` and mapped with ``jax.lax.map`` over ``[rows / tile, tile, ...]``, so ``fn``
-    compiles once for one shape; the padding rows' outputs are dropped.
+    compiles once for one shape; the padding rows' outputs are dropped. Only these
+    forward values must be the sampler's: the gradient (to ``xs`` and to the arrays
+    ``fn`` closes over, hoisted by ``jax.closure_convert``) is that of ``fn`` on all the
+    rows at once (``jax.vmap`` over the tiles), recomputed in the backward pass. It is
+    the gradient of the same function to float rounding, without a loop of tile-sized
+    backward steps and the residuals each would save (the same split as the invariant
+    attention's, ``models.attention.invariant.self_attention``).
 
     Returns:
       ``fn``'s pytree with the ``lead`` dimensions restored.
@@ -201,9 +211,35 @@ def _row_tiled(fn: Callable, *xs: jax.Array, lead: int, tile: int):
         x = pad_rows(x.reshape(n, *x.shape[lead:]), padded)
         return x.reshape(padded // tile, tile, *x.shape[1:])
 
-    out = jax.lax.map(lambda t: fn(*t), tuple(tiles(x) for x in xs))
+    tiled = tuple(tiles(x) for x in xs)
+    converted, consts = jax.closure_convert(fn, *(x[0] for x in tiled))
+    out = _mapped(converted, tiled, tuple(consts))
     return jax.tree.map(
         lambda y: y.reshape(padded, *y.shape[2:])[:n].reshape(*dims, *y.shape[2:]), out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _mapped(fn, tiled, consts):
+    """``fn(*tile, *consts)`` over ``tiled`` (``[tiles, tile, ...]`` each) with
+    ``lax.map``."""
+    return jax.lax.map(lambda t: fn(*t, *consts), tiled)
+
+
+def _mapped_fwd(fn, tiled, consts):
+    return _mapped(fn, tiled, consts), (tiled, consts)
+
+
+def _mapped_bwd(fn, res, dout):
+    tiled, consts = res
+
+    def whole(tiled, consts):  # every tile at once: one large matmul per op
+        return jax.vmap(lambda *t: fn(*t, *consts))(*tiled)
+
+    _, vjp = jax.vjp(whole, tiled, consts)
+    return vjp(dout)
+
+
+_mapped.defvjp(_mapped_fwd, _mapped_bwd)
 
 
 def pad_rows(x: jax.Array, rows: int, value=0) -> jax.Array:

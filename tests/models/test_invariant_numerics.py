@@ -24,7 +24,7 @@ import pytest
 from models import get_config
 from models.attention import invariant as inv_attention
 from models.attention.reference import dense_attention
-from models.invariant import ROW_TILE, check_mesh
+from models.invariant import ROW_TILE, check_mesh, row_tiled
 from models.transformer import check_ops
 from tests.models.test_attention import packed
 from tests.support.models import random_model
@@ -277,3 +277,34 @@ def test_attention_gradients_match_the_dense_reference():
         q, k, v, pos, seg, scale=0.25)), (0, 1, 2))(q, kk, vv)
     for g, r in zip(got, want):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_row_tiled_gradient_is_the_whole_batchs_in_one_pass():
+    """``row_tiled``'s gradient (to its inputs and to the parameters ``fn`` closes over)
+    is the untiled function's, on random float32 rows that leave a partial last tile, and
+    its backward pass runs no loop of tiles: the update's cost in issue #41 (3.7x the
+    default's CPU seconds, ``benchmarks/invariant.py``) was mostly the tiled backward."""
+    keys = jax.random.split(jax.random.key(4), 4)
+    x = jax.random.normal(keys[0], (3, 2 * ROW_TILE + 5, 8))
+    pos = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+    w = jax.random.normal(keys[1], (8, 12)) / 3
+    bias = jax.random.normal(keys[2], (12,))
+    c = jax.random.normal(keys[3], (*x.shape[:2], 12))
+
+    def fn(x, p, w, bias):
+        return jnp.tanh(x @ w + bias) * jnp.cos(p[..., None].astype(x.dtype))
+
+    def loss(tiled):
+        def f(x, w, bias):
+            y = row_tiled(lambda x, p: fn(x, p, w, bias), x, pos) if tiled else fn(
+                x, pos, w, bias)
+            return jnp.sum(y * c)
+        return f
+
+    want = jax.grad(loss(False), (0, 1, 2))(x, w, bias)
+    got = jax.grad(loss(True), (0, 1, 2))(x, w, bias)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+    # one loop: the forward's tiles; the backward is one pass over every row
+    text = str(jax.make_jaxpr(jax.grad(loss(True), (0, 1, 2)))(x, w, bias))
+    assert text.count("scan[") == 1, text

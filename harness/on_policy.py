@@ -1,0 +1,101 @@
+"""One rollout and one GRPO update on it: the sampler's log-probs of the completion tokens
+against the trainer's (issue #41), and the calls to time.
+
+Shared by ``benchmarks/invariant.py`` (CPU seconds of both halves), ``benchmarks/
+mismatch.py`` (the gap, default vs invariant numerics, dense and MoE) and
+``benchmarks/gpu_check.py`` (the bit-equality of ``numerics="invariant"`` on a GPU).
+
+The workload: a freshly initialised preset (``models.PRESETS``) untied, in ``dtype``
+compute (parameters float32), ``prompts`` random prompts of 8-40 tokens, ``group``
+samples each, ``new_tokens`` tokens each (no stop token), the ``compact`` engine at
+temperature 1 (pages of 16 tokens); then ``train.steps.grpo_step`` (forward, backward,
+AdamW) on the rollout packed into rows of ``row_len`` tokens with the sampler's log-probs
+as the old policy's. The trainer's log-probs are the step's forward before the update
+(``return_logp``): the GRPO loop's own ``logprob_diff_*``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from models import Transformer, get_config
+from train import packing, rl_loss, rollout, steps
+from train.placement import place_batch
+from train.state import ModelDef, params_of
+
+
+@dataclasses.dataclass
+class Workload:
+    """The calls of one workload: ``sample()`` (a rollout, ``train.rollout.Rollout``) and
+    ``update()`` (one GRPO step on ``rollout``: its metrics and the trainer's log-probs
+    ``[rows, row_len]``); ``packed`` the rollout's ``train.packing.PackedBatch``."""
+
+    sample: object
+    update: object
+    rollout: object
+    packed: packing.PackedBatch
+
+
+def workload(preset: str = "tiny", *, numerics: str = "default", dtype: str = "bfloat16",
+             layers: int | None = None, prompts: int = 8, group: int = 4,
+             new_tokens: int = 24, row_len: int = 128, seed: int = 0) -> Workload:
+    """Build the model, draw one rollout and prepare the update (both compiled on first
+    call).
+
+    Raises:
+      ValueError: a config the model refuses (e.g. ``numerics="invariant"`` for what the
+        mode does not cover: ``models.invariant.check_config``'s message).
+    """
+    overrides = {} if layers is None else {"num_hidden_layers": layers}
+    cfg = get_config(preset, dtype=dtype, tie_word_embeddings=False, numerics=numerics,
+                     **overrides)
+    mdef, params = ModelDef.of(cfg), params_of(Transformer(cfg, rngs=nnx.Rngs(seed)))
+    rng = np.random.default_rng(seed)
+    vocab = min(cfg.vocab_size, 500)
+    texts = [rng.integers(10, vocab, int(n)).tolist() for n in rng.integers(8, 41, prompts)]
+    gen = rollout.Generator(mdef, max_new_tokens=new_tokens, stop_ids=(), num_valid=vocab,
+                            engine="compact", page_size=16)
+
+    def sample():
+        return gen(params, texts, jax.random.key(seed + 1), temperature=1.0,
+                   group_size=group)
+
+    ro = sample()
+    comps = [ro.completion(i) for i in range(len(ro.lengths))]
+    adv = rng.normal(size=len(comps)).astype(np.float32)
+    packed = packing.pack(
+        [texts[i // group] for i in range(len(comps))], comps, row_len, row_multiple=2,
+        values={"old_logp": [ro.logprobs[i, :len(c)] for i, c in enumerate(comps)],
+                "advantages": [np.full(len(c), adv[i]) for i, c in enumerate(comps)]})
+    batch = place_batch(packed.arrays("old_logp", "advantages"))
+    tx = optax.adamw(1e-4)
+    step = steps.grpo_step(mdef, tx, rl_loss.LossConfig(), temperature=1.0,
+                           return_logp=True)
+    opt_state = tx.init(params)
+
+    def update():  # the step donates its inputs: fresh copies each call
+        p = jax.tree.map(lambda x: x.copy(), params)
+        o = jax.tree.map(lambda x: x.copy(), opt_state)
+        _, _, metrics, logps = step(p, o, (batch,), None, packed.num_seqs, packed.bucket())
+        return metrics, logps[0]
+
+    return Workload(sample, update, ro, packed)
+
+
+def gap(work: Workload) -> dict:
+    """The sampler's vs the trainer's log-probs of the completion tokens after one
+    ``update()``: ``diff`` (``|logp_trainer - logp_sampler|`` per token, nats, float64
+    ``[tokens]``), its ``max`` and ``mean`` (floats), ``equal`` (``np.array_equal`` of
+    the two float32 arrays) and ``tokens``."""
+    _, logps = work.update()
+    mask = np.asarray(work.packed.loss_mask, bool)
+    trainer = np.asarray(logps)[mask]
+    sampler = np.asarray(work.packed.values["old_logp"])[mask]
+    diff = np.abs(trainer.astype(np.float64) - sampler)
+    return {"diff": diff, "max": float(diff.max()), "mean": float(diff.mean()),
+            "equal": bool(np.array_equal(trainer, sampler)), "tokens": int(mask.sum())}
