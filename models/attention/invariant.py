@@ -60,13 +60,20 @@ def _attend(q: jax.Array, positions: jax.Array, live: jax.Array, ctx, fetch: Cal
     offsets = jnp.arange(KEY_BLOCK, dtype=jnp.int32)
 
     def one_tile(args):
-        q_t, pos_t, live_t, ctx_t = args
+        # the barrier ties the positions and the context to the queries: under remat, JAX's
+        # partial evaluation (``pe.partial_eval_jaxpr_custom``) splits off whatever depends
+        # on known inputs alone (positions, segment ids, the block index) into the forward
+        # pass and saves it, stacked over every tile and block, for the recomputation (masks
+        # and gathered-index buffers of [tiles, blocks, tile, KEY_BLOCK, K, D]). Tied to the
+        # queries, the whole tile is recomputed in place, one block at a time.
+        q_t, pos_t, live_t, ctx_t = lax.optimization_barrier(args)
         _, kh, g, d = q_t.shape
         init = (jnp.full((tile, kh, g), -jnp.inf, jnp.float32),
                 jnp.zeros((tile, kh, g), jnp.float32),
                 jnp.zeros((tile, kh, g, d), jnp.float32))
 
         def block(j, carry):
+            j, _ = lax.optimization_barrier((j, pos_t))  # the block index too, as above
             x = jnp.broadcast_to(j * KEY_BLOCK + offsets, (tile, KEY_BLOCK))
             valid = live_t[:, None] & (x <= pos_t[:, None])
 
