@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models.attention.xla import chunked_attention
+from models.attention.xla import _tie, chunked_attention
 from models.invariant import ROW_TILE, pad_rows
 
 #: Key positions per block.
@@ -60,20 +60,18 @@ def _attend(q: jax.Array, positions: jax.Array, live: jax.Array, ctx, fetch: Cal
     offsets = jnp.arange(KEY_BLOCK, dtype=jnp.int32)
 
     def one_tile(args):
-        # the barrier ties the positions and the context to the queries: under remat, JAX's
-        # partial evaluation (``pe.partial_eval_jaxpr_custom``) splits off whatever depends
-        # on known inputs alone (positions, segment ids, the block index) into the forward
-        # pass and saves it, stacked over every tile and block, for the recomputation (masks
-        # and gathered-index buffers of [tiles, blocks, tile, KEY_BLOCK, K, D]). Tied to the
-        # queries, the whole tile is recomputed in place, one block at a time.
-        q_t, pos_t, live_t, ctx_t = lax.optimization_barrier(args)
+        q_t, pos_t, live_t, ctx_t = args
+        # the positions, the context and (below) the block index tied to the queries: the
+        # same under remat in a layer scan as xla_chunked's tiles (``_tie``), else JAX's
+        # partial evaluation saves every tile's and block's masks and key indices at once
+        pos_t, live_t, ctx_t = _tie(q_t, pos_t, live_t, ctx_t)
         _, kh, g, d = q_t.shape
         init = (jnp.full((tile, kh, g), -jnp.inf, jnp.float32),
                 jnp.zeros((tile, kh, g), jnp.float32),
                 jnp.zeros((tile, kh, g, d), jnp.float32))
 
         def block(j, carry):
-            j, _ = lax.optimization_barrier((j, pos_t))  # the block index too, as above
+            (j,) = _tie(q_t, j)
             x = jnp.broadcast_to(j * KEY_BLOCK + offsets, (tile, KEY_BLOCK))
             valid = live_t[:, None] & (x <= pos_t[:, None])
 
