@@ -25,8 +25,9 @@ from tests.support import ROOT
 pytestmark = pytest.mark.slow
 
 #: the greedy-accuracy gain the shortened run must exceed: below what it reached on every
-#: seed tried (+0.070 on seed 0, +0.051 on seed 1; docs/training.md, "Seeds and machines")
-MARGIN = 0.04
+#: seed tried (+0.110 on seed 0, +0.070 on seed 1 at step 100 of their runs with 32 prompts a
+#: step; docs/training.md, "Seeds and machines")
+MARGIN = 0.05
 
 
 @pytest.mark.parametrize("seed", [0, 1])
