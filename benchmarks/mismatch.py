@@ -1,20 +1,25 @@
 """The sampler-trainer mismatch of issue #41: ``|logp_trainer - logp_sampler|`` per
-completion token, default vs ``model.numerics = "invariant"``, dense and MoE.
+completion token and the expert disagreement rate, default vs routing replay vs
+``model.numerics = "invariant"``, dense and MoE.
 
     python benchmarks/mismatch.py                    # 4 layers, bf16, 3 rollouts each
     python benchmarks/mismatch.py --models tiny --seeds 5
 
-Each row: ``--seeds`` rollouts of the workload of ``harness.on_policy`` (a freshly
+Each model: ``--seeds`` rollouts of the workload of ``harness.on_policy`` (a freshly
 initialised preset with ``--layers`` decoder layers, untied, ``--dtype`` compute;
 ``--prompts`` prompts x ``--group`` samples x ``--new-tokens`` tokens, the ``compact``
-engine at temperature 1), the same prompts and keys for every row, each scored by one
-GRPO step's forward on the packed rollout (the loop's own ``logprob_diff_*``). Columns:
-the mean and max over every completion token of every rollout, whether the two agree bit
-for bit on all of them (``np.array_equal``) and, for an MoE model, the share of
-(token, layer) expert choices that differ between the sampler and the trainer (``n/a``
-until the engine records its routes). A mode the config check refuses for a model
-(``models.invariant.check_config``: MoE before it has an invariant variant) prints the
-refusal instead of numbers, so the table fills in when the check accepts it.
+engine at temperature 1, an MoE model's experts recorded), the same prompts and keys for
+every row, each scored by one GRPO step's forward on the packed rollout (the loop's own
+``logprob_diff_*``). Three modes: ``default``; ``routing replay`` (the step's
+``routing_replay``, R3: the same rollouts as ``default``, the trainer's MoE layers take the
+sampler's recorded experts; a dense model has no router and prints ``n/a``); ``invariant``
+(``numerics="invariant"`` on both sides, its own rollouts of the same prompts and keys).
+Columns: the mean and max over every completion token of every rollout, whether the two
+agree bit for bit on all of them (``np.array_equal``) and, for an MoE model, the step's
+``expert_disagreement`` (the fraction of the sampler's recorded (token, MoE layer, slot)
+routes, prompt tokens included, that the trainer's forward did not take), pooled over the
+rollouts. A mode the config check refuses for a model (``models.invariant.check_config``)
+prints the refusal instead of numbers.
 """
 
 from __future__ import annotations
@@ -30,27 +35,62 @@ from harness import on_policy
 from harness.machine import describe
 from models import get_config
 
-NUMERICS = ("default", "invariant")
+#: The table's modes: (name, ``model.numerics``, the step's ``routing_replay``).
+MODES = (("default", "default", False), ("routing replay", "default", True),
+         ("invariant", "invariant", False))
 
 
-def row(preset: str, numerics: str, args) -> dict:
-    """The mismatch of ``numerics`` on ``preset`` over ``args.seeds`` rollouts, or
-    ``{"refused": message}``."""
-    diffs, equal = [], True
+def rows(preset: str, args) -> dict:
+    """Mode name -> the mismatch of that mode on ``preset`` over ``args.seeds`` rollouts:
+    ``mean``, ``max`` (nats), ``equal``, ``tokens``, ``disagreement`` (None for a dense
+    model); ``{"refused": message}`` for a mode the model refuses, ``{"no_router": True}``
+    for routing replay on a dense model. ``default`` and ``routing replay`` score the same
+    rollouts."""
+    moe = get_config(preset).num_experts > 0
+    acc = {name: {"diffs": [], "equal": True, "differ": 0.0, "routes": 0}
+           for name, _, _ in MODES}
+    out = {} if moe else {"routing replay": {"no_router": True}}
     for seed in range(args.seeds):
-        try:
-            work = on_policy.workload(preset, numerics=numerics, dtype=args.dtype,
-                                      layers=args.layers, prompts=args.prompts,
-                                      group=args.group, new_tokens=args.new_tokens,
-                                      row_len=args.row_len, seed=seed)
-        except ValueError as err:
-            return {"refused": str(err)}
-        g = on_policy.gap(work)
-        diffs.append(g["diff"])
-        equal &= g["equal"]
-    diff = np.concatenate(diffs)
-    return {"mean": float(diff.mean()), "max": float(diff.max()), "equal": equal,
-            "tokens": diff.size}
+        works = {}
+        for name, numerics, replay in MODES:
+            if name in out:
+                continue
+            if numerics not in works:
+                try:
+                    works[numerics] = on_policy.workload(
+                        preset, numerics=numerics, dtype=args.dtype, layers=args.layers,
+                        prompts=args.prompts, group=args.group, new_tokens=args.new_tokens,
+                        row_len=args.row_len, seed=seed)
+                except ValueError as err:
+                    out[name] = {"refused": str(err)}
+                    continue
+            g = on_policy.gap(works[numerics], routing_replay=replay)
+            a = acc[name]
+            a["diffs"].append(g["diff"])
+            a["equal"] &= g["equal"]
+            if moe:
+                a["differ"] += g["expert_disagreement"] * g["routes"]
+                a["routes"] += g["routes"]
+    for name, _, _ in MODES:
+        if name in out:
+            continue
+        a = acc[name]
+        diff = np.concatenate(a["diffs"])
+        out[name] = {"mean": float(diff.mean()), "max": float(diff.max()),
+                     "equal": a["equal"], "tokens": diff.size,
+                     "disagreement": a["differ"] / max(a["routes"], 1) if moe else None}
+    return out
+
+
+def line(preset: str, name: str, r: dict) -> str:
+    """One table row."""
+    if "refused" in r:
+        return f"| {preset} | {name} | refused: {r['refused']} | | | | |"
+    if "no_router" in r:
+        return f"| {preset} | {name} | n/a (no router) | | | | |"
+    dis = "-" if r["disagreement"] is None else f"{r['disagreement']:.3g}"
+    return (f"| {preset} | {name} | {r['tokens']} | {r['mean']:.3g} | {r['max']:.3g} | "
+            f"{'yes' if r['equal'] else 'no'} | {dis} |")
 
 
 def main(argv=None) -> None:
@@ -67,19 +107,13 @@ def main(argv=None) -> None:
     print(f"# sampler vs trainer log-probs: {args.layers} layers, {args.dtype} compute, "
           f"{args.seeds} rollouts of {args.prompts} prompts x {args.group} samples x "
           f"{args.new_tokens} tokens; {describe()}")
-    print("| model | numerics | tokens | logprob_diff mean | logprob_diff max | bit for bit "
+    print("| model | mode | tokens | logprob_diff mean | logprob_diff max | bit for bit "
           "| expert disagreement |")
     print("|---|---|---|---|---|---|---|")
     for preset in args.models.split(","):
-        moe = get_config(preset).num_experts > 0
-        for numerics in NUMERICS:
-            r = row(preset, numerics, args)
-            if "refused" in r:
-                print(f"| {preset} | {numerics} | refused: {r['refused']} | | | | |")
-                continue
-            print(f"| {preset} | {numerics} | {r['tokens']} | {r['mean']:.3g} | "
-                  f"{r['max']:.3g} | {'yes' if r['equal'] else 'no'} | "
-                  f"{'n/a' if moe else '-'} |", flush=True)
+        table = rows(preset, args)
+        for name, _, _ in MODES:
+            print(line(preset, name, table[name]), flush=True)
 
 
 if __name__ == "__main__":

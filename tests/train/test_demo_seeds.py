@@ -24,12 +24,17 @@ from tests.support import ROOT
 
 pytestmark = pytest.mark.slow
 
-#: the greedy-accuracy gain the shortened run must exceed: below what it reached on every
-#: seed tried (+0.070 on seed 0, +0.051 on seed 1; docs/training.md, "Seeds and machines")
-MARGIN = 0.04
+#: the greedy-accuracy gain the shortened run must exceed: below what it reached on seeds 0
+#: and 1 (+0.110 and +0.070 at step 100 of their runs with 32 prompts a step;
+#: docs/training.md, "Seeds and machines")
+MARGIN = 0.05
+#: seed 2 of the same config reached +0.027 at step 100 and did not learn after it
+#: (docs/training.md, "Seeds and machines"): the config does not meet the target on it yet
+SEED_2 = pytest.param(2, marks=pytest.mark.xfail(
+    reason="issue 44: seed 2 gains +0.027 at step 100 (docs/training.md)", strict=False))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, 1, SEED_2])
 def test_grpo_raises_held_out_greedy_accuracy(tmp_path, seed):
     """Issue 44: the main job's greedy accuracy rose by +0.001 ± 0.005 (its warm start
     already answered 97% of the held-out problems); GRPO must now teach what the warm

@@ -63,6 +63,6 @@ def test_first_update_sees_the_samplers_logprobs(tmp_path, numerics, preset):
             assert r["logprob_diff_max/1.1"] == 0.0, r
             assert r["ratio_max/1.1"] == 1.0, r
             if preset == "tiny-moe":  # the engines' recorded experts are the trainer's
-                assert r["expert_disagreement"] == 0.0, r
+                assert r["expert_disagreement/1.1"] == 0.0, r
         else:  # the gap the mode closes
             assert r["logprob_diff_max/1.1"] > 1e-3, r
