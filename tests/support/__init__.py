@@ -1,5 +1,6 @@
 """Helpers of the tests alone: random models and tiny Hugging Face checkpoints
-(``models``) and the multi-device subprocess harness (``multidevice``); what the benchmarks
+(``models``), the multi-device subprocess harness (``multidevice``) and the GRPO command
+run on a test's config (``trainer``); what the benchmarks
 use too is in ``harness/``."""
 
 from pathlib import Path

@@ -9,15 +9,11 @@ routing flip). The same run with the mode off shows the gap the issue reports
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support import ROOT
+from tests.support.trainer import train_records
 
 CONFIG = """
 from configs.grpo_micro import get_config as micro
@@ -41,16 +37,8 @@ def get_config():
 
 
 def _first_updates(tmp_path: Path, numerics: str, preset: str = "tiny") -> list[dict]:
-    config = tmp_path / f"{numerics}.py"
-    config.write_text(CONFIG.format(numerics=numerics, preset=preset))
-    work = tmp_path / numerics
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-m", "train.grpo", f"--config={config}",
-                          f"--config.workdir={work}"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-    records = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if r["kind"] == "train"]
+    train = train_records(tmp_path, numerics,
+                          CONFIG.format(numerics=numerics, preset=preset))
     assert [r["step"] for r in train] == [1, 2]
     return train
 

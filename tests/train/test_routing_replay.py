@@ -12,10 +12,6 @@ cause").
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -28,6 +24,7 @@ from models import get_config
 from tests.support import ROOT
 from tests.support.models import random_model
 from tests.support.multidevice import run_case
+from tests.support.trainer import train_records
 from train import config, packing, rl_loss, rollout, steps, updates
 from train.cli import load_config
 from train.placement import place_batch
@@ -175,17 +172,7 @@ def get_config():
 
 
 def _metrics(tmp_path: Path, replay: bool) -> dict:
-    name = f"replay_{replay}"
-    path = tmp_path / f"{name}.py"
-    path.write_text(LOOP.format(replay=replay))
-    work = tmp_path / name
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-m", "train.grpo", f"--config={path}",
-                          f"--config.workdir={work}"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
-    (train,) = [r for r in lines if r["kind"] == "train"]
+    (train,) = train_records(tmp_path, f"replay_{replay}", LOOP.format(replay=replay))
     return train
 
 
