@@ -99,7 +99,7 @@ def main(argv=None) -> None:
                         help="the trainer config (configs/<name>.py) whose dtypes, optimizer "
                              "and loss settings the step uses (default: %(default)s)")
     parser.add_argument("--numerics", default="default",
-                        help="ModelConfig.numerics (invariant: one device, --mesh data=1)")
+                        help="ModelConfig.numerics (default or invariant)")
     args = parser.parse_args(argv)
     meshes = [parse_mesh(m) for m in (args.mesh or ["fsdp=8,expert=8"])]
     devices = max(math.prod(m.values()) for m in meshes)

@@ -23,7 +23,8 @@ def test_memory_benchmark_tiny():
     # the step is the shipped 30B config's: its dtypes, read from the config file
     shipped = load_config(str(ROOT / "configs" / "grpo_qwen3_30b_a3b.py")).model
     assert config == (f"trainer config configs/grpo_qwen3_30b_a3b.py: {shipped.dtype} compute, "
-                      f"{shipped.param_dtype} parameters and optimizer moments")
+                      f"{shipped.param_dtype} parameters and optimizer moments, numerics "
+                      f"default")
     assert (shipped.dtype, shipped.param_dtype) == ("bfloat16", "float32")
     rows = [line for line in sizes.splitlines() if line.startswith("| tiny-moe")]
     assert len(rows) == 1, proc.stdout
