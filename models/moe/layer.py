@@ -163,7 +163,6 @@ class MoE(nnx.Module):
             them in token-major order. False (decoding with a KV cache): rows only.
           replay: None (the router's own top-k), or int32 ``[B, T, k]`` experts to use
             instead (routing replay, ``replay_route``; ``-1`` rows: the token's own).
-
           with_experts: also return the experts each token used (what a rollout engine
             records, and the trainer compares with the record).
 
