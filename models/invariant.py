@@ -225,11 +225,16 @@ def _row_tiled(fn: Callable, *xs: jax.Array, lead: int, tile: int):
 def map_tiles(fn: Callable, tiled):
     """``jax.lax.map(fn, tiled)``: ``fn`` over the leading axis of the pytree ``tiled``
     (``[tiles, tile, ...]`` arrays), ``UNROLL`` tiles per step of the loop (a
-    ``jax.lax.scan`` with ``unroll``). Each tile is still its own computation of one
-    shape, so a tile's result is the one ``lax.map`` gives, wherever it sits in the loop
-    (tests/models/test_invariant_numerics.py); the loop's fixed cost per step is paid
-    ``UNROLL`` times less often."""
-    return jax.lax.scan(lambda _, t: (None, fn(t)), None, tiled, unroll=UNROLL)[1]
+    ``jax.lax.scan`` with ``unroll``). Each tile's inputs and outputs pass an
+    ``optimization_barrier``, so every tile stays its own computation of one shape:
+    without it XLA:CPU rewrote the unrolled copies together (a benchmarks/invariant.py
+    rollout's log-probs then moved by up to 0.023 from the trainer's), with it a tile's
+    result is the one ``lax.map`` gives, wherever it sits in the loop
+    (tests/models/test_invariant_numerics.py, tests/models/test_invariant_scan.py). The
+    loop's fixed cost per step is paid ``UNROLL`` times less often."""
+    barrier = jax.lax.optimization_barrier
+    return jax.lax.scan(lambda _, t: (None, barrier(fn(barrier(t)))), None, tiled,
+                        unroll=UNROLL)[1]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
