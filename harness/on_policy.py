@@ -49,15 +49,19 @@ class Workload:
 
 def workload(preset: str = "tiny", *, numerics: str = "default", dtype: str = "bfloat16",
              layers: int | None = None, prompts: int = 8, group: int = 4,
-             new_tokens: int = 24, row_len: int = 128, seed: int = 0) -> Workload:
+             new_tokens: int = 24, row_len: int = 128, seed: int = 0,
+             config: dict | None = None) -> Workload:
     """Build the model, draw one rollout and prepare the update (both compiled on first
-    call).
+    call). ``config``: further ``ModelConfig`` fields over the preset's (e.g.
+    ``{"scan_layers": True, "remat": True}``, the training settings of the presets).
 
     Raises:
       ValueError: a config the model refuses (e.g. ``numerics="invariant"`` for what the
         mode does not cover: ``models.invariant.check_config``'s message).
     """
-    overrides = {} if layers is None else {"num_hidden_layers": layers}
+    overrides = dict(config or {})
+    if layers is not None:
+        overrides["num_hidden_layers"] = layers
     cfg = get_config(preset, dtype=dtype, tie_word_embeddings=False, numerics=numerics,
                      **overrides)
     mdef, params = ModelDef.of(cfg), params_of(Transformer(cfg, rngs=nnx.Rngs(seed)))

@@ -49,6 +49,10 @@ NUMERICS = ("default", "invariant")
 #: rows nothing over 16 and halves the update's tile loop (docs/numerics.md, measured
 #: with benchmarks/invariant.py).
 ROW_TILE = 32
+#: Tiles per step of the loop over row tiles (``map_tiles``): XLA:CPU runs a loop step
+#: of small ops at a fixed cost, so the loop body holds this many tile computations, each
+#: still a computation of one ``[ROW_TILE, ...]`` shape (docs/numerics.md, "Its price").
+UNROLL = 8
 #: Vocabulary columns per chunk of the head's scan, on both sides.
 VOCAB_CHUNK = 8192
 #: The only attention implementations the mode accepts (``"auto"`` resolves to it).
@@ -178,7 +182,7 @@ def row_tiled(fn: Callable, *xs: jax.Array, lead: int = 2, tile: int = ROW_TILE,
         (on a mesh, rebuilt inside ``jax.shard_map``: ``on_shards``).
 
     The rows (the ``lead`` dimensions flattened) are padded with zeros to a multiple of
-    ``tile`` and mapped with ``jax.lax.map`` over ``[rows / tile, tile, ...]``, so ``fn``
+    ``tile`` and mapped with ``map_tiles`` over ``[rows / tile, tile, ...]``, so ``fn``
     compiles once for one shape; the padding rows' outputs are dropped. Only these
     forward values must be the sampler's: the gradient (to ``xs`` and to the arrays
     ``fn`` closes over, hoisted by ``jax.closure_convert``) is that of ``fn`` on all the
@@ -218,11 +222,25 @@ def _row_tiled(fn: Callable, *xs: jax.Array, lead: int, tile: int):
         lambda y: y.reshape(padded, *y.shape[2:])[:n].reshape(*dims, *y.shape[2:]), out)
 
 
+def map_tiles(fn: Callable, tiled):
+    """``jax.lax.map(fn, tiled)``: ``fn`` over the leading axis of the pytree ``tiled``
+    (``[tiles, tile, ...]`` arrays), ``UNROLL`` tiles per step of the loop (a
+    ``jax.lax.scan`` with ``unroll``). Each tile's inputs and outputs pass an
+    ``optimization_barrier``, so every tile stays its own computation of one shape:
+    without it XLA:CPU rewrote the unrolled copies together (a benchmarks/invariant.py
+    rollout's log-probs then moved by up to 0.023 from the trainer's), with it a tile's
+    result is the one ``lax.map`` gives, wherever it sits in the loop
+    (tests/models/test_invariant_numerics.py, tests/models/test_invariant_scan.py). The
+    loop's fixed cost per step is paid ``UNROLL`` times less often."""
+    barrier = jax.lax.optimization_barrier
+    return jax.lax.scan(lambda _, t: (None, barrier(fn(barrier(t)))), None, tiled,
+                        unroll=UNROLL)[1]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _mapped(fn, tiled, consts):
-    """``fn(*tile, *consts)`` over ``tiled`` (``[tiles, tile, ...]`` each) with
-    ``lax.map``."""
-    return jax.lax.map(lambda t: fn(*t, *consts), tiled)
+    """``fn(*tile, *consts)`` over ``tiled`` (``[tiles, tile, ...]`` each): ``map_tiles``."""
+    return map_tiles(lambda t: fn(*t, *consts), tiled)
 
 
 def _mapped_fwd(fn, tiled, consts):

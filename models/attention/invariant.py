@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from models.attention.xla import _tie, chunked_attention
-from models.invariant import ROW_TILE, pad_rows
+from models.invariant import ROW_TILE, map_tiles, pad_rows
 
 #: Key positions per block.
 KEY_BLOCK = 64
@@ -99,7 +99,7 @@ def _attend(q: jax.Array, positions: jax.Array, live: jax.Array, ctx, fetch: Cal
 
     xs = (tiles(q.astype(jnp.float32)), tiles(positions.astype(jnp.int32)), tiles(live),
           jax.tree.map(tiles, ctx))
-    out = lax.map(one_tile, xs)
+    out = map_tiles(one_tile, xs)
     return out.reshape(padded, *out.shape[2:])[:count]
 
 

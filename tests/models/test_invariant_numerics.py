@@ -24,7 +24,7 @@ import pytest
 from models import get_config
 from models.attention import invariant as inv_attention
 from models.attention.reference import dense_attention
-from models.invariant import ROW_TILE, check_mesh, row_tiled
+from models.invariant import ROW_TILE, UNROLL, check_mesh, row_tiled
 from models.transformer import check_ops
 from tests.models.test_attention import packed
 from tests.support.models import random_model
@@ -308,3 +308,29 @@ def test_row_tiled_gradient_is_the_whole_batchs_in_one_pass():
     # one loop: the forward's tiles; the backward is one pass over every row
     text = str(jax.make_jaxpr(jax.grad(loss(True), (0, 1, 2)))(x, w, bias))
     assert text.count("scan[") == 1, text
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_unrolled_tile_loop_keeps_each_tiles_bits(dtype):
+    """``map_tiles`` runs ``UNROLL`` tiles per loop step (the update's cost in issue #41,
+    ``benchmarks/invariant.py``): a row's result over many tiles, in the unrolled steps
+    and in the remainder after them, is the bits of the same row computed in a call of
+    one tile (a decode step's), on random rows and weights."""
+    tiles = UNROLL + 3
+    keys = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(keys[0], (tiles * ROW_TILE, 48), dtype)
+    w = (jax.random.normal(keys[1], (48, 80)) / 7).astype(dtype)
+    w2 = (jax.random.normal(keys[2], (80, 48)) / 9).astype(dtype)
+
+    def fn(x):
+        return jax.nn.silu(x @ w) @ w2
+
+    whole = np.asarray(jax.jit(lambda x: row_tiled(fn, x, lead=1))(x), np.float32)
+    one = jax.jit(lambda x: row_tiled(fn, x, lead=1))
+    for i in (0, UNROLL - 1, UNROLL, tiles - 1):
+        rows = x[i * ROW_TILE:(i + 1) * ROW_TILE]
+        np.testing.assert_array_equal(
+            whole[i * ROW_TILE:(i + 1) * ROW_TILE], np.asarray(one(rows), np.float32))
+        # a row alone in its tile (the others padding) keeps its bits too
+        np.testing.assert_array_equal(whole[i * ROW_TILE + 5],
+                                      np.asarray(one(rows[5:6]), np.float32)[0])
