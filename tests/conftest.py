@@ -10,16 +10,34 @@
   Linux's default ``vm.max_map_count`` (65,530), after which LLVM's next code allocation
   fails and the worker aborts inside a compile. ``jax.clear_caches`` drops them (the
   mappings go with the executables); a module's own tests still share their compiles.
+* One persistent compilation cache for the run (``JAX_COMPILATION_CACHE_DIR``, shared by
+  the pytest workers and every subprocess a test starts; removed when the run ends): what
+  one module, process or worker compiled is not compiled again by another. Its keys hold
+  the program, the devices, the compile options and ``XLA_FLAGS``, so a hit is the same
+  executable.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import jax
 import pytest
+
+# in the environment, for the subprocesses the tests start; in jax's config, for this one
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())  # one per run
+CACHE = Path(tempfile.gettempdir()) / f"jaxhead-tests-jax-cache-{_RUN}"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
 @functools.cache
@@ -38,3 +56,8 @@ def _release_compiled_code():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not hasattr(session.config, "workerinput"):  # the controller, after every worker
+        shutil.rmtree(CACHE, ignore_errors=True)

@@ -176,6 +176,7 @@ def _metrics(tmp_path: Path, replay: bool) -> dict:
     return train
 
 
+@pytest.mark.slow  # two trainer runs, minutes on 2 cores; the step's replay runs above
 def test_grpo_loop_in_bf16_replays_to_zero_disagreement(tmp_path):
     """The GRPO loop on ``tiny-moe`` (2 layers, bf16 compute, compact engine under
     continuous batching, two micro-batches, two epochs): without replay the trainer's
