@@ -143,8 +143,13 @@ def _moe_and_input(dtype, seed=0, tokens=37):
 
 
 def _block(moe, x, mask):
-    y, probs, experts = row_tiled(moe.tile, x, mask, lead=1)
-    return y, probs, experts
+    """The invariant block on ``x [T, H]`` as the decoder runs it: the router on row
+    tiles, then ``MoE.residual_block`` on a zero residual stream; ``(y, probs,
+    experts)``."""
+    probs, weights, experts = row_tiled(moe.route_tile, x, lead=1)
+    y = moe.residual_block(jnp.zeros_like(x)[None], x[None], weights[None], experts[None],
+                           mask[None])
+    return y[0], probs, experts
 
 
 def _float64_moe(cfg, moe, x):
