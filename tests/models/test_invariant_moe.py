@@ -20,6 +20,8 @@ from flax import nnx
 
 from models import get_config
 from models.invariant import ROW_TILE, row_tiled
+from models.moe.experts import expert_ffn
+from models.moe.invariant import EXPERT_TILE, expert_tiles, tile_bound
 from models.moe.layer import MoE
 from models.transformer import check_ops
 from tests.models.test_invariant_numerics import (
@@ -225,6 +227,111 @@ def test_moe_token_bits_do_not_depend_on_its_neighbours(dtype):
         np.testing.assert_array_equal(a[7], b[0])
         np.testing.assert_array_equal(a[7], c[where])
         np.testing.assert_array_equal(a[7], d[7])
+
+
+#: (H, I) of the expert-tile tests: at each of the two, one of the batch-dependent
+#: alternatives below moves a token's bits with its batch on XLA:CPU.
+WIDTHS = ((256, 128), (1024, 768))
+E, K, N = 4, 2, 97
+
+
+def _experts_and_tokens(hidden, inter, dtype):
+    ks = jax.random.split(jax.random.key(hidden), 5)
+    gate, up = (jax.random.normal(k, (E, hidden, inter)) / 16 for k in ks[:2])
+    down = jax.random.normal(ks[2], (E, inter, hidden)) / 20
+    x = jax.random.normal(ks[3], (N, hidden))
+    experts = jax.vmap(lambda k: jax.random.permutation(k, E)[:K])(
+        jax.random.split(ks[4], N)).astype(jnp.int32)
+    return x.astype(dtype), experts, *(w.astype(dtype) for w in (gate, up, down))
+
+
+def _grouped_matmul(x, experts, mask, gate, up, down):
+    """Per-pair outputs from the default path's grouped matmul (the batch's pairs sorted
+    by expert, ``ragged_dot``; ``models.moe.reference.dropless_experts`` uncombined)."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    out = expert_ffn(x[order // K], sizes, gate, up, down).astype(x.dtype)
+    return out[jnp.argsort(order)].reshape(x.shape[0], K, -1)
+
+
+def _group_gemm(x, experts, mask, gate, up, down):
+    """Per-pair outputs from one product per expert over all the batch's rows (a grouped
+    GEMM whose row count is the batch's)."""
+    flat, out = experts.reshape(-1), jnp.zeros((x.size // x.shape[1] * K, x.shape[1]),
+                                               x.dtype)
+    for e in range(E):
+        order = jnp.argsort(flat != e, stable=True)  # expert e's pairs first
+        rows = x[order // K]
+        y = (jax.nn.silu(rows @ gate[e]) * (rows @ up[e])) @ down[e]
+        out = jnp.where((flat == e)[:, None], y[jnp.argsort(order)], out)
+    return out.reshape(x.shape[0], K, -1)
+
+
+def _moved_elements(per_pair, hidden, inter, dtype="float32") -> int:
+    """How many elements of token 7's pair outputs differ from the whole batch's when it
+    is computed alone, with one other token, in the batch permuted (another place in
+    its experts' tiles), in the batch twice over, and beside a NaN token."""
+    x, experts, *weights = _experts_and_tokens(hidden, inter, dtype)
+    f = jax.jit(per_pair)
+
+    def run(rows):
+        rows = np.asarray(rows)
+        return np.asarray(f(x[rows], experts[rows], jnp.ones(len(rows), bool), *weights))
+
+    full = run(np.arange(N))[7]
+    perm = np.random.default_rng(0).permutation(N)
+    moved = [run([7])[0], run([7, 30])[0], run(perm)[int(np.nonzero(perm == 7)[0][0])],
+             run(np.tile(np.arange(N), 2))[N + 7]]
+    poisoned = np.asarray(f(x.at[6].set(jnp.nan), experts, jnp.ones(N, bool), *weights))[7]
+    return int(sum((m.view(np.uint8) != full.view(np.uint8)).sum() for m in
+                   moved + [poisoned]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("hidden,inter", WIDTHS)
+def test_expert_tile_bits_do_not_depend_on_the_batch(hidden, inter, dtype):
+    """``expert_tiles``: a (token, slot) pair's output bits are the same alone, beside
+    one other token, at another place of its expert's tiles, in a batch twice as large
+    and beside a NaN token: each tile is one fixed-shape product per projection."""
+    assert _moved_elements(expert_tiles, hidden, inter, dtype) == 0
+
+
+def test_batch_dependent_grouped_matmuls_fail_the_tile_test():
+    """The comparison above fails for the grouped products it replaces (issue #41: the
+    default path's bits move with the batch): the ``ragged_dot`` of the default path or
+    one product per expert over the batch's rows each move token 7's bits at one of the
+    widths, so replacing the tiles by either fails
+    ``test_expert_tile_bits_do_not_depend_on_the_batch``."""
+    for alternative in (_grouped_matmul, _group_gemm):
+        assert sum(_moved_elements(alternative, *w) for w in WIDTHS) > 0, alternative
+
+
+def test_expert_tiles_are_dropless_and_masked():
+    """Every real pair is computed (against the float64 SwiGLU of its token and expert,
+    float32 rounding), in at most ``tile_bound`` tiles; masked tokens' pairs and pairs of
+    experts not held here (``first``) are ``-0.0`` (so a sum over the holders is exact)."""
+    x, experts, gate, up, down = _experts_and_tokens(256, 128, "float32")
+    mask = jnp.arange(N) % 5 != 0
+    out = np.asarray(jax.jit(expert_tiles)(x, experts, mask, gate, up, down))
+    x64, g64, u64, d64 = (np.asarray(a, np.float64) for a in (x, gate, up, down))
+    for t in range(N):
+        for j in range(K):
+            if not mask[t]:
+                assert np.array_equal(out[t, j].view(np.uint32),
+                                      np.full(256, 0x80000000, np.uint32))
+                continue
+            e = int(experts[t, j])
+            g = x64[t] @ g64[e]
+            want = (g / (1 + np.exp(-g)) * (x64[t] @ u64[e])) @ d64[e]
+            np.testing.assert_allclose(out[t, j], want, rtol=2e-4, atol=2e-5)
+    # the experts 2, 3 held here: the others' pairs are -0.0, the held ones the same bits
+    half = np.asarray(jax.jit(expert_tiles)(x, experts, mask, gate[2:], up[2:], down[2:],
+                                             2))
+    held = np.asarray(experts >= 2) & np.asarray(mask)[:, None]
+    np.testing.assert_array_equal(half[held], out[held])
+    assert np.signbit(half[~held]).all() and not half[~held].any()
+    assert tile_bound(N * K, E) == -(-N * K // EXPERT_TILE) + E
 
 
 def test_check_ops_accepts_moe_and_refuses_what_has_no_invariant_variant():
