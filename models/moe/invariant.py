@@ -40,7 +40,10 @@ expert axis returns each device its own tokens' pair outputs. Exactly one device
 computes each pair and ``x + (-0.0) == x`` for every ``x`` (signed zeros included), so
 the sum is exact in any order: the bits do not depend on the expert axis's size. Expert
 weights split over ``fsdp`` on their hidden dimension are gathered whole for the layer,
-the local experts only.
+the local experts only. A device's tokens go through this in rounds (``tokens_per_round``:
+at most ``models.moe.api.MAX_DISPATCH_ROWS`` gathered pairs, the default dispatch's bound
+on a round's receive buffer), so the tile buffer and the pair outputs are one round's
+whatever the number of tokens; a pair's bits do not depend on its round.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from models.invariant import ROW_TILE, row_tiled, shard_axes
-from models.moe.api import _axes, _nontrivial
+from models.moe.api import MAX_DISPATCH_ROWS, _axes, _nontrivial
+from models.moe.experts import token_chunks
 from models.sharding import DEFAULT_RULES, logical_to_mesh
 
 #: Rows per expert tile (one constant for the sampler and the trainer).
@@ -161,22 +165,42 @@ def combine_tile(x: jax.Array, outputs: jax.Array, weights: jax.Array,
     return x + jnp.where(token_mask[:, None], y, jnp.zeros_like(y))
 
 
+def tokens_per_round(tokens: int, devices: int, top_k: int,
+                     max_rows: int = MAX_DISPATCH_ROWS) -> int:
+    """A device's tokens per round of ``_local``: at most ``max_rows`` pairs gathered
+    over the ``devices`` of the expert axis (``devices * t * top_k <= max_rows``, the
+    bound ``models.moe.api`` puts on a dispatch round's receive buffer), at least 1 and
+    at most ``tokens``."""
+    return max(1, min(tokens, max_rows // (devices * top_k)))
+
+
 def _local(x, h, weights, experts, token_mask, gate, up, down, expert_axes=()):
-    """The block's forward on one device's rows (``[B, T, ...]``): the tokens of its
-    ``expert_axes`` group gathered, their pairs of the local experts tiled, each pair's
-    output reduce-scattered back to the device that holds its token, the combine."""
+    """The block's forward on one device's rows (``[B, T, ...]``), in rounds of
+    ``tokens_per_round`` tokens (``models.moe.experts.token_chunks``: the tile buffer and
+    the pair outputs are one round's): the round's tokens of the ``expert_axes`` group
+    gathered, their pairs of the local experts tiled, each pair's output
+    reduce-scattered back to the device that holds its token; then the combine."""
     b, t, hidden = h.shape
-    flat = (h.reshape(b * t, hidden), experts.reshape(b * t, -1), token_mask.reshape(-1))
-    first = 0
-    if expert_axes:
-        flat = tuple(jax.lax.all_gather(a, expert_axes, axis=0, tiled=True) for a in flat)
-        first = jax.lax.axis_index(expert_axes) * gate.shape[0]
-    outputs = expert_tiles(*flat, gate, up, down, first)
-    if expert_axes:  # one holder per pair, -0.0 elsewhere: an exact sum
-        outputs = jax.lax.psum_scatter(outputs, expert_axes, scatter_dimension=0,
-                                       tiled=True)
+    k = experts.shape[-1]
+    devices = jax.lax.axis_size(expert_axes) if expert_axes else 1
+
+    def round_(h, experts, token_mask):
+        first = 0
+        if expert_axes:
+            h, experts, token_mask = (jax.lax.all_gather(a, expert_axes, axis=0, tiled=True)
+                                      for a in (h, experts, token_mask))
+            first = jax.lax.axis_index(expert_axes) * gate.shape[0]
+        outputs = expert_tiles(h, experts, token_mask, gate, up, down, first)
+        if expert_axes:  # one holder per pair, -0.0 elsewhere: an exact sum
+            outputs = jax.lax.psum_scatter(outputs, expert_axes, scatter_dimension=0,
+                                           tiled=True)
+        return outputs
+
+    outputs = token_chunks(round_, tokens_per_round(b * t, devices, k),
+                           h.reshape(b * t, hidden), experts.reshape(b * t, k),
+                           token_mask.reshape(-1))
     y = row_tiled(combine_tile, x.reshape(b * t, hidden), outputs,
-                  weights.reshape(b * t, -1), token_mask.reshape(-1), lead=1)
+                  weights.reshape(b * t, k), token_mask.reshape(-1), lead=1)
     return y.reshape(x.shape)
 
 

@@ -20,6 +20,7 @@ from flax import nnx
 
 from models import get_config
 from models.invariant import ROW_TILE, row_tiled
+from models.moe import invariant as moe_invariant
 from models.moe.experts import expert_ffn
 from models.moe.invariant import EXPERT_TILE, expert_tiles, tile_bound
 from models.moe.layer import MoE
@@ -332,6 +333,17 @@ def test_expert_tiles_are_dropless_and_masked():
     np.testing.assert_array_equal(half[held], out[held])
     assert np.signbit(half[~held]).all() and not half[~held].any()
     assert tile_bound(N * K, E) == -(-N * K // EXPERT_TILE) + E
+
+
+def test_moe_block_bits_do_not_depend_on_its_rounds(monkeypatch):
+    """The block takes a device's tokens in rounds (``tokens_per_round``, bounding its
+    tile buffer): rounds of 5 tokens (8 of them, the last padded) give the bits of one
+    round of all 37."""
+    _, moe, x = _moe_and_input("bfloat16")
+    mask = jnp.arange(x.shape[0]) != 5
+    whole = _block(moe, x, mask)[0]
+    monkeypatch.setattr(moe_invariant, "tokens_per_round", lambda *a, **k: 5)
+    np.testing.assert_array_equal(_block(moe, x, mask)[0], whole)
 
 
 def test_check_ops_accepts_moe_and_refuses_what_has_no_invariant_variant():
