@@ -25,6 +25,7 @@ from models.moe.experts import expert_ffn
 from models.moe.invariant import EXPERT_TILE, expert_tiles, tile_bound
 from models.moe.layer import MoE
 from models.transformer import check_ops
+from tests.models.test_invariant_memory import _largest
 from tests.models.test_invariant_numerics import (
     ENGINES,
     G,
@@ -344,6 +345,26 @@ def test_moe_block_bits_do_not_depend_on_its_rounds(monkeypatch):
     whole = _block(moe, x, mask)[0]
     monkeypatch.setattr(moe_invariant, "tokens_per_round", lambda *a, **k: 5)
     np.testing.assert_array_equal(_block(moe, x, mask)[0], whole)
+
+
+def test_moe_block_holds_one_rounds_tile_buffer():
+    """The tile buffer is static and one round's (``tokens_per_round``): in the jaxpr of
+    the block's forward on 65,536 tokens no value is larger than its pair outputs
+    ``[T, k, H]``, where one tile buffer for all of them (``tile_bound(T k, E)`` tiles of
+    32 rows) would be."""
+    cfg = get_config(MOE, dtype="bfloat16", numerics="invariant")
+    moe = random_model(cfg).layers[0].mlp
+    t, k, h = 65536, cfg.num_experts_per_tok, cfg.hidden_size
+    assert tile_bound(t * k, cfg.num_experts) * EXPERT_TILE > t * k  # the bound it checks
+
+    def arg(shape, dtype):
+        return jax.ShapeDtypeStruct((1, t, *shape), dtype)
+
+    jaxpr = jax.make_jaxpr(lambda *a: moe_invariant.on_mesh(*a, *moe._weights()))(
+        arg((h,), jnp.bfloat16), arg((h,), jnp.bfloat16), arg((k,), jnp.float32),
+        arg((k,), jnp.int32), arg((), bool))
+    largest, what = _largest(jaxpr.jaxpr)
+    assert largest <= t * k * h, what
 
 
 def test_check_ops_accepts_moe_and_refuses_what_has_no_invariant_variant():
