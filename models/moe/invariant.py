@@ -174,7 +174,8 @@ def tokens_per_round(tokens: int, devices: int, top_k: int,
     return max(1, min(tokens, max_rows // (devices * top_k)))
 
 
-def _local(x, h, weights, experts, token_mask, gate, up, down, expert_axes=()):
+def _local(x, h, weights, experts, token_mask, gate, up, down, expert_axes=(),
+           gather_axes=(), down_axes=()):
     """The block's forward on one device's rows (``[B, T, ...]``), in rounds of
     ``tokens_per_round`` tokens (``models.moe.experts.token_chunks``: the tile buffer and
     the pair outputs are one round's): the round's tokens of the ``expert_axes`` group
@@ -183,6 +184,10 @@ def _local(x, h, weights, experts, token_mask, gate, up, down, expert_axes=()):
     b, t, hidden = h.shape
     k = experts.shape[-1]
     devices = jax.lax.axis_size(expert_axes) if expert_axes else 1
+    if gather_axes:  # the local experts whole on their hidden dimension (fsdp's gather)
+        gate, up = (jax.lax.all_gather(w, gather_axes, axis=1, tiled=True) for w in (gate, up))
+    if down_axes:
+        down = jax.lax.all_gather(down, down_axes, axis=2, tiled=True)
 
     def round_(h, experts, token_mask):
         first = 0
@@ -233,16 +238,22 @@ def on_mesh(x, h, weights, experts, token_mask, gate, up, down, *, rules=DEFAULT
     mesh = jax.sharding.get_abstract_mesh()
     spec = _nontrivial(logical_to_mesh(("expert", "embed", "mlp"), mesh, rules, gate.shape,
                                        "MoE gate_proj"), mesh)
+    down_spec = _nontrivial(logical_to_mesh(("expert", "mlp", "embed"), mesh, rules,
+                                            down.shape, "MoE down_proj"), mesh)
     expert_axes = _axes(spec[0])
     rows = axes[0] or ()
     if not set(expert_axes) <= set(rows):
         raise ValueError(f"numerics='invariant' needs the experts split over axes the rows "
                          f"are split over {rows}; the rules put them over {expert_axes}")
-    tokens, experts_spec = P(*axes), P(expert_axes or None)
+    # the experts as placed, split on their hidden dimension too (gathered inside, as the
+    # default dispatch does); never on their MLP width (a tensor axis: refused)
+    spec, down_spec = P(*spec[:2]), P(down_spec[0], None, down_spec[2])
+    tokens = P(*axes)
     names = {a for a, kind in zip(mesh.axis_names, mesh.axis_types)
              if kind != jax.sharding.AxisType.Manual}
-    body = functools.partial(_local, expert_axes=expert_axes)
-    return jax.shard_map(body, mesh=mesh, in_specs=(tokens,) * 5 + (experts_spec,) * 3,
+    body = functools.partial(_local, expert_axes=expert_axes, gather_axes=_axes(spec[1]),
+                             down_axes=_axes(down_spec[2]))
+    return jax.shard_map(body, mesh=mesh, in_specs=(tokens,) * 5 + (spec, spec, down_spec),
                          out_specs=tokens, axis_names=names, check_vma=False)(
         x, h, weights, experts, token_mask, gate, up, down)
 
