@@ -14,9 +14,9 @@ token), the ``compact`` engine at temperature 1; then one GRPO update
 calls (the median; process CPU seconds and wall seconds). The gap: ``|logp_trainer -
 logp_sampler|`` over the completion tokens, max and mean (the step's ``logprob_diff_*``).
 Then one layer's attention at the update's shape, ``"invariant"`` vs ``"xla_chunked"``;
-for an MoE preset, one MoE block on as many tokens: the default dropless path, the
-invariant one (``models.moe.invariant``: every expert on the tile) and the alternative
-that module weighed (each token through its experts' gathered weights).
+for an MoE preset, one MoE block on as many tokens: the default dropless path and the
+invariant one (``models.moe.invariant``: the router on row tiles, the experts in
+expert-major tiles of one shape, the gradient the default path's).
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ from harness.machine import describe
 from models import Transformer, get_config
 from models.attention import api as attention
 from models.invariant import row_tiled
-from models.moe.invariant import tile_logits
-from models.moe.layer import route
 
 
 def _timed(fn, repeats: int) -> tuple[float, float, object]:
@@ -88,27 +86,11 @@ def attention_cost(args) -> dict:
     return out
 
 
-def _gathered_tile(x, experts, weights, gate, up, down):
-    """The alternative to ``models.moe.invariant.tile_experts``: per top-k slot, each token
-    multiplies its row by its own expert's gathered ``[H, I]`` / ``[I, H]`` weights."""
-    dt, total = x.dtype, jnp.zeros(x.shape, jnp.float32)
-    for j in range(experts.shape[1]):
-        e = experts[:, j]
-
-        def matvec(rows, w):
-            return jnp.einsum("ti,tio->to", rows, w, preferred_element_type=jnp.float32)
-
-        hidden = jax.nn.silu(matvec(x, gate[e]).astype(dt)) * matvec(x, up[e]).astype(dt)
-        total = total + weights[:, j:j + 1] * matvec(hidden, down[e]).astype(dt).astype(
-            jnp.float32)
-    return total.astype(dt)
-
-
 def moe_cost(args) -> dict:
     """CPU seconds of one MoE block (``--preset``'s), forward and forward + backward
     (input and all its weights), on ``8 x --row-len`` random tokens: the default path
-    (``MoE.__call__``), the invariant one (row tiles, ``MoE.tile``) and the gathered
-    alternative in the same tiles."""
+    (``MoE.__call__``) and the invariant one (``MoE.route_tile`` on row tiles, then
+    ``MoE.residual_block`` on a zero residual stream)."""
     cfg = get_config(args.preset, dtype=args.dtype, numerics="invariant")
     moe = Transformer(cfg, rngs=nnx.Rngs(0)).layers[0].mlp
     graph, params = nnx.split(moe)
@@ -116,19 +98,13 @@ def moe_cost(args) -> dict:
                           args.dtype)
     mask = jnp.ones(x.shape[:1], bool)
 
-    def gathered_block(m, x, mask):
-        def tile(t, real):
-            dt = m.dtype
-            _, w, e = route(tile_logits(t, m.router[...].astype(dt)), m.top_k,
-                            m.norm_topk_prob)
-            y = _gathered_tile(t, e, w, *(p[...].astype(dt) for p in (
-                m.gate_proj, m.up_proj, m.down_proj)))
-            return jnp.where(real[:, None], y, jnp.zeros_like(y))
-        return row_tiled(tile, x, mask, lead=1)
+    def invariant(m, x, mask):
+        _, weights, experts = row_tiled(m.route_tile, x, lead=1)
+        return m.residual_block(jnp.zeros_like(x)[None], x[None], weights[None],
+                                experts[None], mask[None])[0]
 
     paths = {"default": lambda m, x, mask: m(x[None], mask[None])[0][0],
-             "invariant": lambda m, x, mask: row_tiled(m.tile, x, mask, lead=1)[0],
-             "invariant, gathered weights": gathered_block}
+             "invariant": invariant}
     out = {}
     for name, path in paths.items():
         def f(x, params, path=path):

@@ -88,8 +88,10 @@ def main(argv=None) -> None:
     parser.add_argument("--topology", default=None,
                         help="compile for this TPU slice with the TPU compiler (needs "
                         "libtpu), e.g. v6e:8x8")
-    parser.add_argument("--dispatch", choices=("dense", "ragged", "both"), default="both",
-                        help="expert all-to-all: worst-case dense blocks, ragged, or both")
+    parser.add_argument("--dispatch", choices=("dense", "ragged", "auto", "both"),
+                        default="both",
+                        help="expert all-to-all: worst-case dense blocks, ragged, both, or "
+                        "auto (the platform's; the only one numerics=invariant accepts)")
     parser.add_argument("--capacity-factor", type=float, default=None,
                         help="ragged receive buffer: this times the balanced load "
                         "(default: the worst case)")

@@ -100,8 +100,8 @@ class ModelConfig:
     ``"invariant"`` (``models.invariant``: every per-token op on row tiles of one shape,
     ``attention_impl`` ``"invariant"``, the head's log-probs tiled alike, so the sampler's
     log-probs of a completion equal the trainer's bit for bit, on one device or over the
-    batch axes and ``context`` of a mesh; MoE layers route and run their experts per
-    tile, ``models.moe.invariant``; an explicit other ``attention_impl``, for MoE an
+    batch axes and ``context`` of a mesh; MoE layers route per row tile and run their
+    experts in expert-major tiles of one shape, ``models.moe.invariant``; an explicit other ``attention_impl``, for MoE an
     explicit ``expert_dispatch`` or a capacity factor, and a ``tensor`` axis are refused
     by name). Checked where the model is built, with the other op choices.
 

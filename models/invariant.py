@@ -13,15 +13,18 @@ count. The approach is that of the batch-invariant kernels behind vLLM's and SGL
 deterministic modes (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025:
 fixed tiles, no split reductions), written here with fixed shapes under ``lax.map``.
 
-MoE layers run their router, experts and combine per row tile too
-(``models.moe.invariant``), so the sampler and the trainer choose the same experts.
+MoE layers run their router and combine per row tile too, and their experts in
+expert-major tiles of one shape at the dropless FLOPs (``models.moe.invariant``), so the
+sampler and the trainer choose the same experts and get the same bits from them.
 
 On a mesh (``on_shards``) every one of these computations runs inside ``jax.shard_map``:
 each device takes its own rows (split over the batch axes ``data`` / ``fsdp`` /
 ``expert``, and a row's tokens over ``context`` where the trainer splits them), the
-weights are all-gathered (fsdp's gather; for MoE layers every expert's, so the mode keeps
-no expert parallelism) and the device runs the one-device code on them, so no matmul is
-ever split over its contraction dimension and a token's result is the one-device result.
+weights are all-gathered (fsdp's gather) and the device runs the one-device code on them,
+so no matmul is ever split over its contraction dimension and a token's result is the
+one-device result. MoE experts stay sharded over ``expert`` (``models.moe.invariant
+.on_mesh``: each device computes the pairs of the experts it holds, an exact
+reduce-scatter returns them).
 A ``tensor`` axis would split the heads' and the MLP's contractions (split-K): refused.
 
 What the mode does not cover is refused by name (``check_config``, ``check_mesh``): a
@@ -62,9 +65,9 @@ ATTENTION = ("auto", "invariant")
 def check_config(cfg) -> None:
     """Check ``cfg.numerics`` and, under ``"invariant"``, what the mode cannot run yet.
 
-    MoE layers run their invariant block (``models.moe.invariant``: dropless, per row
-    tile); ``moe_token_chunk`` only bounds memory and is moot there (the tiles are
-    smaller chunks).
+    MoE layers run their invariant block (``models.moe.invariant``: dropless, the
+    experts in expert-major tiles); ``moe_token_chunk`` only bounds memory and is moot
+    there (the block takes a device's tokens in bounded rounds of its own).
 
     Raises:
       ValueError: an unknown ``numerics``; under ``"invariant"``, an ``attention_impl``

@@ -89,7 +89,8 @@ class DecoderLayer(nnx.Module):
         (routing replay, ``models.moe.layer.replay_route``). ``with_experts``: also return
         the experts ``[B, T, k]`` the MoE used (None on a dense layer).
         Under ``numerics="invariant"`` everything but the attention runs in row tiles
-        (``models.invariant.row_tiled``), the MoE block too (``MoE.tile``)."""
+        (``models.invariant.row_tiled``), the MoE block's router too (``MoE.route_tile``);
+        its experts run in expert-major tiles (``MoE.residual_block``)."""
         if self.invariant:
             *out, experts = self._invariant(x, positions, segment_ids, kv)
             return (*out, experts) if with_experts else tuple(out)
@@ -110,12 +111,11 @@ class DecoderLayer(nnx.Module):
         def pre(layer, x, p):
             return layer.self_attn.project(layer.input_layernorm(x), p)
 
-        def post(layer, x, a, real):
+        def post(layer, x, a):
             x = x + layer.self_attn.output(a)
             h = layer.post_attention_layernorm(x)
-            if moe:  # router, experts and combine on the tile (models.moe.invariant)
-                y, probs, experts = layer.mlp.tile(h, real)
-                return x + y, probs, experts
+            if moe:  # the router on the tile (models.moe.invariant)
+                return x, h, *layer.mlp.route_tile(h)
             return x + layer.mlp(h)
 
         split = kv is None  # training: a row's tokens may be split over context
@@ -123,9 +123,12 @@ class DecoderLayer(nnx.Module):
         out, kv = self.self_attn.attend(q, k, v, positions, segment_ids, kv)
         real = segment_ids != 0
         if not moe:
-            x = row_tiled(post, x, out, real, split_tokens=split, modules=(self,))
+            x = row_tiled(post, x, out, split_tokens=split, modules=(self,))
             return x, kv, None, None
-        x, probs, experts = row_tiled(post, x, out, real, split_tokens=split, modules=(self,))
+        x, h, probs, weights, experts = row_tiled(post, x, out, split_tokens=split,
+                                                  modules=(self,))
+        # the experts in expert-major tiles, the combine on the row tiles
+        x = self.mlp.residual_block(x, h, weights, experts, real, split_tokens=split)
         return x, kv, self.mlp.tiled_stats(probs, experts, real), experts
 
 

@@ -41,7 +41,7 @@ from models import context
 from models.config import ModelConfig
 from models.layers import param
 from models.moe.api import routed_experts
-from models.moe.invariant import tile_experts, tile_logits
+from models.moe.invariant import on_mesh, tile_logits, values_with_gradient_of
 from models.moe.reference import dropless_experts
 
 
@@ -185,45 +185,84 @@ class MoE(nnx.Module):
             replay = context.to_token_major(replay, c).reshape(-1, self.top_k)
             probs, weights, experts = replay_route(logits, replay, self.top_k,
                                                    self.norm_topk_prob)
-        params = (self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt),
-                  self.down_proj[...].astype(dt))
         mask = token_mask.reshape(-1)
-        if mesh.empty:
-            y = dropless_experts(flat, experts, weights, *params, token_mask=mask,
-                                 token_chunk=self.token_chunk)
-            dropped = jnp.zeros((), jnp.float32)
-        else:
-            y, lost = routed_experts(
-                flat, experts, weights, *params, mesh=mesh, rules=self.rules,
-                token_chunk=self.token_chunk, dispatch=self.dispatch,
-                capacity_factor=self.capacity_factor,
-                overflow=self.overflow, token_mask=mask,
-                token_axes=context.token_axes(mesh) if c > 1 else None)
-            dropped = jnp.sum(lost, dtype=jnp.float32)
+        y, dropped = self._experts(flat, experts, weights, mask, *self._weights(), c=c)
         stats = router_stats(probs, experts, mask, dropped)
         y = context.from_token_major(y.reshape(shape), c)
         if not with_experts:
             return y, stats
         return y, stats, context.from_token_major(experts.reshape(*shape[:-1], self.top_k), c)
 
-    def tile(self, x: jax.Array, token_mask: jax.Array):
-        """The block on one row tile under ``numerics="invariant"``
-        (``models.moe.invariant``; called by ``models.invariant.row_tiled``).
+    def _weights(self):
+        """The experts' ``gate``, ``up``, ``down`` in the compute dtype."""
+        dt = self.dtype
+        return tuple(p[...].astype(dt) for p in (self.gate_proj, self.up_proj,
+                                                 self.down_proj))
+
+    def _experts(self, flat, experts, weights, mask, gate, up, down, *, c: int):
+        """The default (dropless) experts of ``flat [T, H]`` (token-major under a context
+        axis of ``c`` devices): ``(y [T, H], dropped pairs)``."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            y = dropless_experts(flat, experts, weights, gate, up, down, token_mask=mask,
+                                 token_chunk=self.token_chunk)
+            return y, jnp.zeros((), jnp.float32)
+        y, lost = routed_experts(
+            flat, experts, weights, gate, up, down, mesh=mesh, rules=self.rules,
+            token_chunk=self.token_chunk, dispatch=self.dispatch,
+            capacity_factor=self.capacity_factor, overflow=self.overflow, token_mask=mask,
+            token_axes=context.token_axes(mesh) if c > 1 else None)
+        return y, jnp.sum(lost, dtype=jnp.float32)
+
+    def route_tile(self, h: jax.Array):
+        """The router on one row tile under ``numerics="invariant"`` (called by
+        ``models.invariant.row_tiled``): ``h [t, H]`` normed hidden states ->
+        ``(probs [t, E] float32, weights [t, k] float32, experts [t, k] int32)``, each row
+        a function of its own token (``models.moe.invariant.tile_logits``, ``route``)."""
+        dt = self.dtype
+        return route(tile_logits(h.astype(dt), self.router[...].astype(dt)), self.top_k,
+                     self.norm_topk_prob)
+
+    def residual_block(self, x: jax.Array, h: jax.Array, weights: jax.Array,
+                       experts: jax.Array, token_mask: jax.Array, *,
+                       split_tokens: bool = False) -> jax.Array:
+        """``x + MoE(h)`` under ``numerics="invariant"``, for the router's choice
+        (``route_tile``): the forward in expert-major tiles of one shape, expert-parallel
+        on a mesh (``models.moe.invariant``), the gradient the default dropless path's
+        with the same experts (``__call__``'s ``dropless_experts`` / ``routed_experts``).
 
         Args:
-          x: ``[t, H]`` normed hidden states (``t = models.invariant.ROW_TILE``).
-          token_mask: bool ``[t]``: the real tokens (the others' output is 0, selected).
+          x: ``[B, T, H]`` the residual stream. h: ``[B, T, H]`` normed hidden states.
+          weights: float32 ``[B, T, k]``; experts: int32 ``[B, T, k]``.
+          token_mask: bool ``[B, T]``: the real tokens (padding adds 0).
+          split_tokens: the rows' tokens are split over the mesh's ``context`` axis (the
+            trainer's forward).
 
         Returns:
-          ``(y [t, H] compute dtype, probs [t, E] float32, experts [t, k] int32)``.
+          ``[B, T, H]`` in the dtype of ``x``.
+
+        Raises:
+          ValueError: as ``models.moe.invariant.on_mesh``.
         """
-        dt = self.dtype
-        x = x.astype(dt)
-        probs, weights, experts = route(tile_logits(x, self.router[...].astype(dt)),
-                                        self.top_k, self.norm_topk_prob)
-        y = tile_experts(x, experts, weights, self.gate_proj[...].astype(dt),
-                         self.up_proj[...].astype(dt), self.down_proj[...].astype(dt))
-        return jnp.where(token_mask[:, None], y, jnp.zeros_like(y)), probs, experts
+        dt, rules = self.dtype, self.rules
+        mesh = jax.sharding.get_abstract_mesh()
+        c = context.context_size(mesh) if split_tokens else 1
+
+        def forward(x, h, weights, gate, up, down, experts, mask):
+            return on_mesh(x, h, weights, experts, mask, gate, up, down, rules=rules,
+                           split_tokens=split_tokens)
+
+        def default(x, h, weights, gate, up, down, experts, mask):
+            h, weights, experts, mask = (context.to_token_major(a, c)
+                                         for a in (h, weights, experts, mask))
+            shape = h.shape
+            y, _ = self._experts(h.reshape(-1, shape[-1]), experts.reshape(-1, self.top_k),
+                                 weights.reshape(-1, self.top_k), mask.reshape(-1),
+                                 gate, up, down, c=c)
+            return x + context.from_token_major(y.reshape(shape), c).astype(x.dtype)
+
+        return values_with_gradient_of(forward, default, x, h.astype(dt), weights,
+                                       *self._weights(), experts, token_mask)
 
     def tiled_stats(self, probs: jax.Array, experts: jax.Array, token_mask: jax.Array
                     ) -> RouterStats:

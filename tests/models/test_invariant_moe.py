@@ -20,8 +20,12 @@ from flax import nnx
 
 from models import get_config
 from models.invariant import ROW_TILE, row_tiled
+from models.moe import invariant as moe_invariant
+from models.moe.experts import expert_ffn
+from models.moe.invariant import EXPERT_TILE, expert_tiles, tile_bound
 from models.moe.layer import MoE
 from models.transformer import check_ops
+from tests.models.test_invariant_memory import _largest
 from tests.models.test_invariant_numerics import (
     ENGINES,
     G,
@@ -143,8 +147,13 @@ def _moe_and_input(dtype, seed=0, tokens=37):
 
 
 def _block(moe, x, mask):
-    y, probs, experts = row_tiled(moe.tile, x, mask, lead=1)
-    return y, probs, experts
+    """The invariant block on ``x [T, H]`` as the decoder runs it: the router on row
+    tiles, then ``MoE.residual_block`` on a zero residual stream; ``(y, probs,
+    experts)``."""
+    probs, weights, experts = row_tiled(moe.route_tile, x, lead=1)
+    y = moe.residual_block(jnp.zeros_like(x)[None], x[None], weights[None], experts[None],
+                           mask[None])
+    return y[0], probs, experts
 
 
 def _float64_moe(cfg, moe, x):
@@ -220,6 +229,142 @@ def test_moe_token_bits_do_not_depend_on_its_neighbours(dtype):
         np.testing.assert_array_equal(a[7], b[0])
         np.testing.assert_array_equal(a[7], c[where])
         np.testing.assert_array_equal(a[7], d[7])
+
+
+#: (H, I) of the expert-tile tests: at each of the two, one of the batch-dependent
+#: alternatives below moves a token's bits with its batch on XLA:CPU.
+WIDTHS = ((256, 128), (1024, 768))
+E, K, N = 4, 2, 97
+
+
+def _experts_and_tokens(hidden, inter, dtype):
+    ks = jax.random.split(jax.random.key(hidden), 5)
+    gate, up = (jax.random.normal(k, (E, hidden, inter)) / 16 for k in ks[:2])
+    down = jax.random.normal(ks[2], (E, inter, hidden)) / 20
+    x = jax.random.normal(ks[3], (N, hidden))
+    experts = jax.vmap(lambda k: jax.random.permutation(k, E)[:K])(
+        jax.random.split(ks[4], N)).astype(jnp.int32)
+    return x.astype(dtype), experts, *(w.astype(dtype) for w in (gate, up, down))
+
+
+def _grouped_matmul(x, experts, mask, gate, up, down):
+    """Per-pair outputs from the default path's grouped matmul (the batch's pairs sorted
+    by expert, ``ragged_dot``; ``models.moe.reference.dropless_experts`` uncombined)."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    out = expert_ffn(x[order // K], sizes, gate, up, down).astype(x.dtype)
+    return out[jnp.argsort(order)].reshape(x.shape[0], K, -1)
+
+
+def _group_gemm(x, experts, mask, gate, up, down):
+    """Per-pair outputs from one product per expert over all the batch's rows (a grouped
+    GEMM whose row count is the batch's)."""
+    flat, out = experts.reshape(-1), jnp.zeros((x.size // x.shape[1] * K, x.shape[1]),
+                                               x.dtype)
+    for e in range(E):
+        order = jnp.argsort(flat != e, stable=True)  # expert e's pairs first
+        rows = x[order // K]
+        y = (jax.nn.silu(rows @ gate[e]) * (rows @ up[e])) @ down[e]
+        out = jnp.where((flat == e)[:, None], y[jnp.argsort(order)], out)
+    return out.reshape(x.shape[0], K, -1)
+
+
+def _moved_elements(per_pair, hidden, inter, dtype="float32") -> int:
+    """How many elements of token 7's pair outputs differ from the whole batch's when it
+    is computed alone, with one other token, in the batch permuted (another place in
+    its experts' tiles), in the batch twice over, and beside a NaN token."""
+    x, experts, *weights = _experts_and_tokens(hidden, inter, dtype)
+    f = jax.jit(per_pair)
+
+    def run(rows):
+        rows = np.asarray(rows)
+        return np.asarray(f(x[rows], experts[rows], jnp.ones(len(rows), bool), *weights))
+
+    full = run(np.arange(N))[7]
+    perm = np.random.default_rng(0).permutation(N)
+    moved = [run([7])[0], run([7, 30])[0], run(perm)[int(np.nonzero(perm == 7)[0][0])],
+             run(np.tile(np.arange(N), 2))[N + 7]]
+    poisoned = np.asarray(f(x.at[6].set(jnp.nan), experts, jnp.ones(N, bool), *weights))[7]
+    return int(sum((m.view(np.uint8) != full.view(np.uint8)).sum() for m in
+                   moved + [poisoned]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("hidden,inter", WIDTHS)
+def test_expert_tile_bits_do_not_depend_on_the_batch(hidden, inter, dtype):
+    """``expert_tiles``: a (token, slot) pair's output bits are the same alone, beside
+    one other token, at another place of its expert's tiles, in a batch twice as large
+    and beside a NaN token: each tile is one fixed-shape product per projection."""
+    assert _moved_elements(expert_tiles, hidden, inter, dtype) == 0
+
+
+def test_batch_dependent_grouped_matmuls_fail_the_tile_test():
+    """The comparison above fails for the grouped products it replaces (issue #41: the
+    default path's bits move with the batch): the ``ragged_dot`` of the default path or
+    one product per expert over the batch's rows each move token 7's bits at one of the
+    widths, so replacing the tiles by either fails
+    ``test_expert_tile_bits_do_not_depend_on_the_batch``."""
+    for alternative in (_grouped_matmul, _group_gemm):
+        assert sum(_moved_elements(alternative, *w) for w in WIDTHS) > 0, alternative
+
+
+def test_expert_tiles_are_dropless_and_masked():
+    """Every real pair is computed (against the float64 SwiGLU of its token and expert,
+    float32 rounding), in at most ``tile_bound`` tiles; masked tokens' pairs and pairs of
+    experts not held here (``first``) are ``-0.0`` (so a sum over the holders is exact)."""
+    x, experts, gate, up, down = _experts_and_tokens(256, 128, "float32")
+    mask = jnp.arange(N) % 5 != 0
+    out = np.asarray(jax.jit(expert_tiles)(x, experts, mask, gate, up, down))
+    x64, g64, u64, d64 = (np.asarray(a, np.float64) for a in (x, gate, up, down))
+    for t in range(N):
+        for j in range(K):
+            if not mask[t]:
+                assert np.array_equal(out[t, j].view(np.uint32),
+                                      np.full(256, 0x80000000, np.uint32))
+                continue
+            e = int(experts[t, j])
+            g = x64[t] @ g64[e]
+            want = (g / (1 + np.exp(-g)) * (x64[t] @ u64[e])) @ d64[e]
+            np.testing.assert_allclose(out[t, j], want, rtol=2e-4, atol=2e-5)
+    # the experts 2, 3 held here: the others' pairs are -0.0, the held ones the same bits
+    half = np.asarray(jax.jit(expert_tiles)(x, experts, mask, gate[2:], up[2:], down[2:],
+                                             2))
+    held = np.asarray(experts >= 2) & np.asarray(mask)[:, None]
+    np.testing.assert_array_equal(half[held], out[held])
+    assert np.signbit(half[~held]).all() and not half[~held].any()
+    assert tile_bound(N * K, E) == -(-N * K // EXPERT_TILE) + E
+
+
+def test_moe_block_bits_do_not_depend_on_its_rounds(monkeypatch):
+    """The block takes a device's tokens in rounds (``tokens_per_round``, bounding its
+    tile buffer): rounds of 5 tokens (8 of them, the last padded) give the bits of one
+    round of all 37."""
+    _, moe, x = _moe_and_input("bfloat16")
+    mask = jnp.arange(x.shape[0]) != 5
+    whole = _block(moe, x, mask)[0]
+    monkeypatch.setattr(moe_invariant, "tokens_per_round", lambda *a, **k: 5)
+    np.testing.assert_array_equal(_block(moe, x, mask)[0], whole)
+
+
+def test_moe_block_holds_one_rounds_tile_buffer():
+    """The tile buffer is static and one round's (``tokens_per_round``): in the jaxpr of
+    the block's forward on 65,536 tokens no value is larger than its pair outputs
+    ``[T, k, H]``, where one tile buffer for all of them (``tile_bound(T k, E)`` tiles of
+    32 rows) would be."""
+    cfg = get_config(MOE, dtype="bfloat16", numerics="invariant")
+    moe = random_model(cfg).layers[0].mlp
+    t, k, h = 65536, cfg.num_experts_per_tok, cfg.hidden_size
+    assert tile_bound(t * k, cfg.num_experts) * EXPERT_TILE > t * k  # the bound it checks
+
+    def arg(shape, dtype):
+        return jax.ShapeDtypeStruct((1, t, *shape), dtype)
+
+    jaxpr = jax.make_jaxpr(lambda *a: moe_invariant.on_mesh(*a, *moe._weights()))(
+        arg((h,), jnp.bfloat16), arg((h,), jnp.bfloat16), arg((k,), jnp.float32),
+        arg((k,), jnp.int32), arg((), bool))
+    largest, what = _largest(jaxpr.jaxpr)
+    assert largest <= t * k * h, what
 
 
 def test_check_ops_accepts_moe_and_refuses_what_has_no_invariant_variant():
