@@ -4,12 +4,14 @@
   (``tests.support.multidevice``: minutes each, mostly compiling) run first, so that under
   ``pytest -n 2`` the short tests fill the workers' tails instead of one long test running
   alone at the end. Only the order changes, never what runs.
-* Compiled code is released after each test module. Every XLA:CPU executable keeps about
-  three memory mappings of JIT code (eager ops with a new shape compile too), and JAX's
-  caches keep every executable alive: one pytest worker running half the suite reached
-  Linux's default ``vm.max_map_count`` (65,530), after which LLVM's next code allocation
-  fails and the worker aborts inside a compile. ``jax.clear_caches`` drops them (the
-  mappings go with the executables); a module's own tests still share their compiles.
+* Compiled code is released when a worker holds too much of it. Every XLA:CPU executable
+  keeps about three memory mappings of JIT code (eager ops with a new shape compile too),
+  and JAX's caches keep every executable alive: one pytest worker running half the suite
+  went past 19,600 mappings by a third of the run, and a process at Linux's default
+  ``vm.max_map_count`` (65,530) fails its next compile ("LLVM compilation error: Cannot
+  allocate memory") and dies. After a module, if the worker holds over ``MAX_MAPPINGS``,
+  ``jax.clear_caches`` drops the executables (the mappings go with them); below it the
+  compiled code stays, for the next modules to reuse.
 * One persistent compilation cache for the run (``JAX_COMPILATION_CACHE_DIR``, shared by
   the pytest workers and every subprocess a test starts; removed when the run ends): what
   one module, process or worker compiled is not compiled again by another. Its keys hold
@@ -50,12 +52,27 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: not _spawns(str(item.path)))  # stable: order kept otherwise
 
 
+#: A third of Linux's default vm.max_map_count: room for a module's compiles on top.
+MAX_MAPPINGS = 20_000
+
+
+def _mappings() -> int:
+    """This process's memory mappings (0 where ``/proc`` has none)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_code():
-    """After each module: drop JAX's compiled executables and their JIT code mappings."""
+    """After a module: drop JAX's compiled executables and their JIT code mappings if the
+    worker holds more than ``MAX_MAPPINGS``."""
     yield
-    jax.clear_caches()
-    gc.collect()
+    if _mappings() > MAX_MAPPINGS:
+        jax.clear_caches()
+        gc.collect()
 
 
 def pytest_sessionfinish(session, exitstatus):

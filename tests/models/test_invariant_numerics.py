@@ -158,7 +158,8 @@ def test_engines_draw_the_same_tokens_and_logprobs():
         np.testing.assert_array_equal(other.logprobs, rolls[0].logprobs)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# float32's gap (1-7 ulps) is in the slow set; bf16's shows the test can fail
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
 def test_default_numerics_have_the_gap(dtype):
     """The same comparison with the mode off: the log-probs differ (float rounding of
     other batch shapes), so the test above can fail."""

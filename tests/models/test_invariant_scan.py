@@ -23,8 +23,8 @@ def _gap(dtype: str, numerics: str, policy: str) -> dict:
     return on_policy.gap(work)
 
 
-@pytest.mark.parametrize("dtype, policy", [("float32", "nothing_saved"),
-                                           ("bfloat16", "dots_saved")])
+@pytest.mark.parametrize("dtype, policy", [
+    pytest.param("float32", "nothing_saved", marks=pytest.mark.slow), ("bfloat16", "dots_saved")])
 def test_scanned_rematerialised_step_has_the_sampler_logprobs(dtype, policy):
     """The step's log-probs of every completion token are the sampler's bits with the
     layers under ``lax.scan`` and ``jax.checkpoint`` (only the layer inputs saved; the

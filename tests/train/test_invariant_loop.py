@@ -44,9 +44,11 @@ def _first_updates(tmp_path: Path, numerics: str, preset: str = "tiny") -> list[
 
 
 @pytest.mark.parametrize("preset, numerics", [
-    ("tiny", "invariant"), ("tiny", "default"), ("tiny-moe", "invariant"),
-    # the MoE gap without the mode: also tests/models/test_invariant_moe.py, in process
-    pytest.param("tiny-moe", "default", marks=pytest.mark.slow)])
+    ("tiny", "invariant"),
+    # the slow set: the gaps without the mode and the MoE loop, whose block is checked in
+    # process by tests/models/test_invariant_{numerics,moe}.py (a trainer run is a minute)
+    *(pytest.param(p, n, marks=pytest.mark.slow)
+      for p, n in [("tiny", "default"), ("tiny-moe", "invariant"), ("tiny-moe", "default")])])
 def test_first_update_sees_the_samplers_logprobs(tmp_path, numerics, preset):
     for r in _first_updates(tmp_path, numerics, preset):
         if numerics == "invariant":
