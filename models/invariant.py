@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 import jaxhead
-from models.mesh import BATCH_AXES, CONTEXT_AXIS
+from models.mesh import BATCH_AXES, CONTEXT_AXIS, free_axes
 
 #: ``ModelConfig.numerics`` values.
 NUMERICS = ("default", "invariant")
@@ -118,9 +118,7 @@ def shard_axes(split_tokens: bool = False) -> tuple | None:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
-    free = {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes,
-                                                    mesh.axis_types)
-            if kind != jax.sharding.AxisType.Manual and size > 1}
+    free = {name: size for name, size in free_axes(mesh).items() if size > 1}
     if not free:
         return None
     rows = tuple(a for a in BATCH_AXES if a in free) or None
@@ -159,8 +157,7 @@ def on_shards(fn: Callable, *xs, lead: int = 1, split_tokens: bool = False,
 
     specs = tuple(None if x is None else spec if jnp.ndim(x) >= lead else whole
                   for x in xs) + (whole,) * (r + len(leaves))
-    names = {a for a, k in zip(mesh.axis_names, mesh.axis_types)
-             if k != jax.sharding.AxisType.Manual}
+    names = set(free_axes(mesh))
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=spec, axis_names=names,
                          check_vma=False)(*xs, *replicated, *leaves)
 

@@ -151,6 +151,15 @@ def auto_axes(mesh):
     return mesh.update(axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
+def free_axes(mesh) -> dict[str, int]:
+    """``{name: size}`` of the axes of ``mesh`` (a ``Mesh`` or ``AbstractMesh``) that are
+    not ``AxisType.Manual``: those a ``jax.shard_map`` here may still make manual (outside
+    any, every axis), size-1 ones included, in the mesh's order."""
+    return {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes,
+                                                    mesh.axis_types)
+            if kind != AxisType.Manual}
+
+
 def axis_size(mesh, axes: str | Sequence[str]) -> int:
     """Product of the sizes of ``axes`` (names absent from ``mesh`` count as 1)."""
     axes = (axes,) if isinstance(axes, str) else tuple(axes)

@@ -67,7 +67,7 @@ from models.attention.pallas_tpu import splash_attention
 from models.attention.reference import dense_attention
 from models.attention.xla import chunked_attention
 from models.context import context_size
-from models.mesh import BATCH_AXES
+from models.mesh import BATCH_AXES, free_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,9 +205,7 @@ def _per_device(kernel, q, k, v, segment_ids, **kwargs):
       KernelUnsupported: the rows or the KV heads do not split over those axes.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    free = {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes,
-                                                    mesh.axis_types)
-            if kind != jax.sharding.AxisType.Manual}
+    free = free_axes(mesh)
     auto = {name: size for name, size in free.items() if size > 1}
     if not auto:
         return kernel(q, k, v, segment_ids, **kwargs)

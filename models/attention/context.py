@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhead.dispatch import KernelUnsupported
 from models.attention.xla import chunked_attention
-from models.mesh import BATCH_AXES, CONTEXT_AXIS, axis_size
+from models.mesh import BATCH_AXES, CONTEXT_AXIS, axis_size, free_axes
 
 
 def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
@@ -42,9 +42,7 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
         (rows over the batch axes, tokens over ``context``, KV heads over ``tensor``).
     """
     mesh = jax.sharding.get_abstract_mesh()
-    free = {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes,
-                                                    mesh.axis_types)
-            if kind != jax.sharding.AxisType.Manual}
+    free = free_axes(mesh)
     rows = tuple(a for a in BATCH_AXES if free.get(a, 1) > 1) or None
     heads = "tensor" if free.get("tensor", 1) > 1 else None
     row_shards = axis_size(mesh, rows or ())

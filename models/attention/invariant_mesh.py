@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from models.attention import invariant
 from models.attention.xla import chunked_attention
 from models.invariant import on_shards, shard_axes
-from models.mesh import CONTEXT_AXIS
+from models.mesh import CONTEXT_AXIS, free_axes
 
 
 def self_attention(q, k, v, positions, segment_ids, *, scale: float) -> jax.Array:
@@ -57,8 +57,7 @@ def self_attention(q, k, v, positions, segment_ids, *, scale: float) -> jax.Arra
         return on_shards(functools.partial(invariant.self_attention, scale=scale),
                          q, k, v, positions, segment_ids)
     mesh = jax.sharding.get_abstract_mesh()
-    names = {a for a, kind in zip(mesh.axis_names, mesh.axis_types)
-             if kind != jax.sharding.AxisType.Manual}
+    names = set(free_axes(mesh))
 
     def body(q, k, v, pos, seg):
         gather = functools.partial(lax.all_gather, axis_name=CONTEXT_AXIS, axis=1,

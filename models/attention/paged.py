@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhead import dispatch
 from models.attention import invariant
-from models.mesh import BATCH_AXES
+from models.mesh import BATCH_AXES, free_axes
 
 #: Pages read per iteration of the ``"xla"`` loop (fewer when the table is narrower).
 PAGES_PER_BLOCK = 8
@@ -129,10 +129,8 @@ def _split_axes() -> tuple[jax.sharding.AbstractMesh, tuple[str, ...]]:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return mesh, ()
-    kinds = dict(zip(mesh.axis_names, mesh.axis_types))
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    return mesh, tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1
-                       and kinds[a] != jax.sharding.AxisType.Manual)
+    free = free_axes(mesh)
+    return mesh, tuple(a for a in BATCH_AXES if free.get(a, 1) > 1)
 
 
 def per_shard(fn: Callable, pools: tuple, rows: tuple, out_pools: int, out_rows: int):

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from models.invariant import ROW_TILE, row_tiled, shard_axes
+from models.mesh import free_axes
 from models.moe.api import MAX_DISPATCH_ROWS, _axes, _nontrivial
 from models.moe.experts import token_chunks
 from models.sharding import DEFAULT_RULES, logical_to_mesh
@@ -249,8 +250,7 @@ def on_mesh(x, h, weights, experts, token_mask, gate, up, down, *, rules=DEFAULT
     # default dispatch does); never on their MLP width (a tensor axis: refused)
     spec, down_spec = P(*spec[:2]), P(down_spec[0], None, down_spec[2])
     tokens = P(*axes)
-    names = {a for a, kind in zip(mesh.axis_names, mesh.axis_types)
-             if kind != jax.sharding.AxisType.Manual}
+    names = set(free_axes(mesh))
     body = functools.partial(_local, expert_axes=expert_axes, gather_axes=_axes(spec[1]),
                              down_axes=_axes(down_spec[2]))
     return jax.shard_map(body, mesh=mesh, in_specs=(tokens,) * 5 + (spec, spec, down_spec),
