@@ -101,9 +101,9 @@ class ModelConfig:
     ``attention_impl`` ``"invariant"``, the head's log-probs tiled alike, so the sampler's
     log-probs of a completion equal the trainer's bit for bit, on one device or over the
     batch axes and ``context`` of a mesh; MoE layers route per row tile and run their
-    experts in expert-major tiles of one shape, ``models.moe.invariant``; an explicit other ``attention_impl``, for MoE an
-    explicit ``expert_dispatch`` or a capacity factor, and a ``tensor`` axis are refused
-    by name). Checked where the model is built, with the other op choices.
+    experts in expert-major tiles of one shape, ``models.moe.invariant``; an explicit
+    other ``attention_impl``, for MoE an explicit ``expert_dispatch`` or a capacity
+    factor, and a ``tensor`` axis are refused by name). Checked where the model is built, with the other op choices.
 
     Head: ``final_logit_softcapping`` (Gemma 2 style ``c * tanh(z / c)`` on the logits,
     forwarded to jaxhead) or None.
