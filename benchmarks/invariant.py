@@ -52,9 +52,11 @@ def _timed(fn, repeats: int) -> tuple[float, float, object]:
 
 
 def measure(numerics: str, args) -> dict:
+    recipe = {"scan_layers": True, "remat": True} if args.remat else None
     work = on_policy.workload(args.preset, numerics=numerics, dtype=args.dtype,
                               layers=args.layers, prompts=args.prompts, group=args.group,
-                              new_tokens=args.new_tokens, row_len=args.row_len)
+                              new_tokens=args.new_tokens, row_len=args.row_len,
+                              config=recipe)
     r_cpu, r_wall, _ = _timed(work.sample, args.repeats)
     u_cpu, u_wall, _ = _timed(work.update, args.repeats)
     gap = on_policy.gap(work)
@@ -126,9 +128,13 @@ def main(argv=None) -> None:
     p.add_argument("--row-len", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--remat", action="store_true",
+                   help="the presets' training settings: scan_layers and remat (each layer "
+                        "recomputed in the backward pass, in both numerics)")
     args = p.parse_args(argv)
     rows = {n: measure(n, args) for n in ("default", "invariant")}
     layers = f", {args.layers} layers" if args.layers else ""
+    layers += ", scan_layers + remat" if args.remat else ""
     print(f"# model.numerics: {args.preset} preset{layers}, {args.dtype} compute, "
           f"{args.prompts} prompts x "
           f"{args.group} samples x {args.new_tokens} tokens "

@@ -127,46 +127,71 @@ def shard_axes(split_tokens: bool = False) -> tuple | None:
 
 
 def on_shards(fn: Callable, *xs, lead: int = 1, split_tokens: bool = False,
-              replicated: tuple = (), modules: tuple = ()):
-    """``fn(*modules, *xs, *replicated)`` run per device inside ``jax.shard_map`` under the
-    mesh in context (every free axis manual), each ``xs`` array of rank >= ``lead`` split
-    along its leading dimension over the batch axes (and, with ``lead=2`` and
-    ``split_tokens``, its second over ``context``; ``shard_axes``), scalars, None and
-    ``replicated`` whole on every device; ``fn``'s outputs split like ``xs``. The
-    parameters of ``modules`` (``nnx.Module`` s) enter whole too (all-gathered: fsdp's
-    gather) and ``fn`` gets the modules rebuilt from them inside the manual region (an
+              placed: tuple = (), modules: tuple = ()):
+    """``fn(*modules, *xs, *placed arrays)`` run per device inside
+    ``jax.shard_map`` under the mesh in context (every free axis manual), each ``xs``
+    array of rank >= ``lead`` split along its leading dimension over the batch axes (and,
+    with ``lead=2`` and ``split_tokens``, its second over ``context``; ``shard_axes``),
+    scalars and None whole on every device, ``placed`` ``(array, PartitionSpec)`` pairs
+    split as their specs say (``PartitionSpec()``: whole); ``fn``'s outputs split like
+    ``xs``. The parameters of ``modules`` (``nnx.Module`` s) enter whole too
+    (all-gathered: fsdp's gather) and ``fn`` gets the modules rebuilt from them inside
+    the manual region (an
     array ``fn`` closes over instead would have its gradient formed there, which JAX
     refuses). Each device thus runs the one-device computation of its own rows. Without
-    such a mesh: ``fn(*modules, *xs, *replicated)``.
+    such a mesh: ``fn(*modules, *xs, *placed arrays)``.
 
     Raises:
       ValueError: (``jax.shard_map``) a leading dimension that does not split evenly.
     """
     axes = shard_axes(split_tokens)
+    arrays = tuple(a for a, _ in placed)
     if axes is None:
-        return fn(*modules, *xs, *replicated)
+        return fn(*modules, *xs, *arrays)
     mesh = jax.sharding.get_abstract_mesh()
     spec, whole = jax.sharding.PartitionSpec(*axes[:lead]), jax.sharding.PartitionSpec()
     graph, state = nnx.split(modules)
     leaves, tree = jax.tree.flatten(state)
-    n, r = len(xs), len(replicated)
+    n = len(xs) + len(placed)
 
     def body(*args):
-        local = nnx.merge(graph, jax.tree.unflatten(tree, args[n + r:]))
-        return fn(*local, *args[:n + r])
+        local = nnx.merge(graph, jax.tree.unflatten(tree, args[n:]))
+        return fn(*local, *args[:n])
 
-    specs = tuple(None if x is None else spec if jnp.ndim(x) >= lead else whole
-                  for x in xs) + (whole,) * (r + len(leaves))
+    specs = (tuple(None if x is None else spec if jnp.ndim(x) >= lead else whole for x in xs)
+             + tuple(p for _, p in placed)
+             + (whole,) * len(leaves))
     names = set(free_axes(mesh))
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=spec, axis_names=names,
-                         check_vma=False)(*xs, *replicated, *leaves)
+                         check_vma=False)(*xs, *arrays, *leaves)
+
+
+def head_weight_split(lm_head, hidden_size: int, split_tokens: bool = False):
+    """``(axes, PartitionSpec)``: how ``on_shards`` takes the head's weight (``head_logprobs``
+    and the sampler's draw) under the mesh in context: its hidden dimension split over the
+    free axes of more than one device, in the mesh's order, as long as their product
+    divides ``hidden_size``, so each device holds ``H / n`` rows of it and jaxhead gathers
+    one vocab chunk at a time (``weight_hidden_axes``). ``((), PartitionSpec())`` (whole)
+    off a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if shard_axes(split_tokens) is None:
+        return (), jax.sharding.PartitionSpec()
+    axes, n = [], 1
+    for name, size in free_axes(mesh).items():
+        if size > 1 and hidden_size % (n * size) == 0:
+            axes.append(name)
+            n *= size
+    split = tuple(axes) or None
+    dims = (split, None) if lm_head.weight_layout == "hv" else (None, split)
+    return tuple(axes), jax.sharding.PartitionSpec(*dims)
 
 
 def row_tiled(fn: Callable, *xs: jax.Array, lead: int = 2, tile: int = ROW_TILE,
-              split_tokens: bool = False, modules: tuple = ()):
-    """``fn(*modules, *tiles)`` applied to ``xs`` in row tiles of one shape (on a mesh,
-    each device its own rows: ``on_shards``, ``split_tokens`` and ``modules``, the
-    ``nnx.Module`` s ``fn`` reads, as there).
+              split_tokens: bool = False, modules: tuple = (), placed: tuple = ()):
+    """``fn(*modules, *placed arrays, *tiles)`` applied to ``xs`` in row tiles of one shape
+    (on a mesh, each device its own rows: ``on_shards``; ``split_tokens``, ``modules``, the
+    ``nnx.Module`` s ``fn`` reads, and ``placed``, ``(array, PartitionSpec)`` pairs each
+    device gets its part of, as there).
 
     Args:
       fn: ``fn(*modules, *tiles) -> pytree`` of arrays: ``[tile, ...]`` in, ``[tile,
@@ -197,10 +222,11 @@ def row_tiled(fn: Callable, *xs: jax.Array, lead: int = 2, tile: int = ROW_TILE,
     Raises:
       ValueError: the arrays' leading dimensions differ (shapes named).
     """
-    m = len(modules)
+    m, k = len(modules), len(xs)
     return on_shards(
-        lambda *a: _row_tiled(functools.partial(fn, *a[:m]), *a[m:], lead=lead, tile=tile),
-        *xs, lead=min(lead, 2), split_tokens=split_tokens, modules=modules)
+        lambda *a: _row_tiled(functools.partial(fn, *a[:m], *a[m + k:]), *a[m:m + k],
+                              lead=lead, tile=tile),
+        *xs, lead=min(lead, 2), split_tokens=split_tokens, modules=modules, placed=placed)
 
 
 def _row_tiled(fn: Callable, *xs: jax.Array, lead: int, tile: int):
@@ -277,12 +303,16 @@ def head_logprobs(lm_head, hidden: jax.Array, labels: jax.Array, keep, *, temper
     The rows are flattened and padded to a multiple of ``ROW_TILE`` (padding rows not
     kept), ``bucket`` is rounded up to a multiple of it, and ``jaxhead.token_logprobs``
     runs with ``impl="xla"`` and ``XlaConfig(token_chunk=ROW_TILE, vocab_chunk=
-    VOCAB_CHUNK)``: the kept rows are compacted into the bucket (a gather, also when every
-    row is kept) and go through ``[ROW_TILE, H] x [H, VOCAB_CHUNK]`` tiles, whatever the
-    batch, the bucket or the row they sit in. The entropy is always computed (its flag
-    changes the compiled tile) and returned only ``with_entropy``. On a mesh each device
-    does this for its own rows (``on_shards``; the head's weight all-gathered), and
-    ``bucket`` is a shard's.
+    VOCAB_CHUNK, vocab_outer=True)``: the kept rows are compacted into the bucket (a
+    gather, also when every row is kept) and go through ``[ROW_TILE, H] x [H,
+    VOCAB_CHUNK]`` tiles, whatever the batch, the bucket or the row they sit in. The
+    entropy is always computed (its flag changes the compiled tile) and returned only
+    ``with_entropy``. On a mesh each device does this for its own rows (``on_shards``),
+    ``bucket`` is a shard's, and the head's weight enters split along its hidden dimension
+    over the mesh (``hidden_split``): each ``[H, VOCAB_CHUNK]`` chunk is all-gathered where
+    it is used (``token_logprobs(weight_hidden_axes=...)``), so no device holds the whole
+    weight (it held all of it: 0.58 GiB more for the 30B preset's decode) and the tiles are
+    the one-device tiles.
 
     Args:
       lm_head: the model's ``jaxhead.LMHead``.
@@ -303,20 +333,22 @@ def head_logprobs(lm_head, hidden: jax.Array, labels: jax.Array, keep, *, temper
     shape = labels.shape
     keep = jnp.ones(shape, bool) if keep is None else keep
     t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), shape)
-    weight = lm_head.weight(lm_head.dtype or hidden.dtype)  # passed whole, not closed over
+    weight = lm_head.weight(lm_head.dtype or hidden.dtype)  # passed, not closed over
+    axes, spec = head_weight_split(lm_head, hidden.shape[-1], split_tokens)
 
     def local(hidden, labels, keep, t, min_logit, weight):
-        return _head_logprobs(lm_head, weight, hidden, labels, keep, t, bucket, min_logit)
+        return _head_logprobs(lm_head, weight, hidden, labels, keep, t, bucket, min_logit,
+                              axes)
 
     out = on_shards(local, hidden, labels, keep, t, min_logit, lead=min(len(shape), 2),
-                    split_tokens=split_tokens, replicated=(weight,))
+                    split_tokens=split_tokens, placed=((weight, spec),))
     return jaxhead.HeadOutput(out.logprobs, out.entropy if with_entropy else None)
 
 
-def _head_logprobs(lm_head, weight, hidden, labels, keep, temperature, bucket, min_logit
-                   ) -> jaxhead.HeadOutput:
+def _head_logprobs(lm_head, weight, hidden, labels, keep, temperature, bucket, min_logit,
+                   hidden_axes=()) -> jaxhead.HeadOutput:
     """``head_logprobs`` on one device (``keep``, ``temperature`` of ``labels``' shape;
-    ``weight``: ``lm_head``'s in the compute dtype)."""
+    ``weight``: ``lm_head``'s in the compute dtype, split over ``hidden_axes``)."""
     shape = labels.shape
     n = math.prod(shape)
     rows = -(-max(n, 1) // ROW_TILE) * ROW_TILE
@@ -337,7 +369,9 @@ def _head_logprobs(lm_head, weight, hidden, labels, keep, temperature, bucket, m
     out = jaxhead.token_logprobs(
         h, weight, y, k, temperature=t, softcap=lm_head.softcap,
         with_entropy=True, bucket=bucket, impl="xla",
-        config=jaxhead.XlaConfig(token_chunk=ROW_TILE, vocab_chunk=VOCAB_CHUNK),
-        weight_layout=lm_head.weight_layout, ignore_index=None, min_logit=min_logit)
+        config=jaxhead.XlaConfig(token_chunk=ROW_TILE, vocab_chunk=VOCAB_CHUNK,
+                                 vocab_outer=True),
+        weight_layout=lm_head.weight_layout, ignore_index=None, min_logit=min_logit,
+        weight_hidden_axes=hidden_axes)
     return jaxhead.HeadOutput(out.logprobs[:n].reshape(shape),
                               out.entropy[:n].reshape(shape))

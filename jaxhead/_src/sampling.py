@@ -11,7 +11,7 @@ bounds and why a hash: docs/design.md, "Sampling".
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -68,19 +68,23 @@ class _Source(NamedTuple):
     axis: int
     pinned: tuple
     tile: Callable
+    fetch: Callable | None = None  # applied to each chunk of ``scanned`` (scan_vocab's)
 
     def full(self):
-        return self.tile(self.scanned, *self.pinned)
+        scanned = self.scanned if self.fetch is None else self.fetch(self.scanned)
+        return self.tile(scanned, *self.pinned)
 
 
-def _head_source(hidden, weight, weight_layout, softcap) -> _Source:
-    """The logits ``softcap(hidden @ weight)``, a tile per chunk of the weight."""
+def _head_source(hidden, weight, weight_layout, softcap, hidden_axes=()) -> _Source:
+    """The logits ``softcap(hidden @ weight)``, a tile per chunk of the weight (a weight
+    split over ``hidden_axes``: each chunk all-gathered where it is used)."""
 
     def tile(w_c, h):
         return hm.logits(layout.logits(h, w_c, weight_layout), softcap)[0]
 
     axis = layout.vocab_dim(weight_layout)
-    return _Source(hidden.shape[0], weight.shape[axis], weight, axis, (hidden,), tile)
+    return _Source(hidden.shape[0], weight.shape[axis], weight, axis, (hidden,), tile,
+                   sc.gather_hidden(hidden_axes, 1 - axis))
 
 
 def _logits_source(logits) -> _Source:
@@ -237,7 +241,8 @@ def _chunked(source, seeds, temperature, sampled, num_valid, vocab_chunk):
 
     tuning = sc.Tuning()
     stats, tok, z_tok, _, _ = sc.scan_vocab(tuning, chunk, step, init, source.scanned,
-                                            source.pinned, axis=source.axis)
+                                            source.pinned, axis=source.axis,
+                                            fetch=source.fetch)
     logp = (z_tok - stats.m[:, 0]) * inv_temperature[:, 0] - jnp.log1p(stats.r[:, 0])
     ninf = jnp.full((rows,), -jnp.inf, f32)
     return Sample(tok, logp, ninf, jnp.zeros((rows,), f32))
@@ -384,6 +389,7 @@ def sample(
     weight_layout: WeightLayout = "hv",
     row_ids: jax.Array | None = None,
     num_rows: int | None = None,
+    weight_hidden_axes: str | Sequence[str] = (),
 ) -> Sample:
     """Draw one token per row from ``softmax(z / temperature)``, optionally truncated.
 
@@ -422,6 +428,10 @@ def sample(
         draws with (ids are clipped to ``[0, num_rows)``). A decoder that drops finished
         rows from its batch keeps every row's draw so (``models.generate``). None: row
         ``b`` is row ``b``.
+      weight_hidden_axes: inside ``jax.shard_map``, the manual mesh axes ``weight``'s
+        hidden dimension is split over (as ``jaxhead.token_logprobs``): the untruncated
+        path all-gathers one vocab chunk at a time, the truncated path (full logits) the
+        whole weight. ``()``: the weight is whole.
 
     Returns:
       ``Sample(tokens, logprobs, min_logit, logmass)``, ``[B]`` each (see ``Sample``).
@@ -440,12 +450,15 @@ def sample(
                                 validation.dtype_of(weight, "weight"))
     if hidden.ndim != 2:
         raise ValueError(f"hidden must be [B, H], got shape {hidden.shape}")
-    validation.check_weight(hidden.shape, weight.shape, weight_layout)
+    hidden_axes, hidden_shards = validation.hidden_shards(weight_hidden_axes)
+    validation.check_weight(hidden.shape, weight.shape, weight_layout, hidden_shards)
     vocab = layout.sizes(weight.shape, weight_layout)[1]
     num_valid = _check_settings(hidden.shape[0], vocab, num_valid, temperature, top_k,
                                 top_p, min_p, vocab_chunk)
-    return _draw(_head_source(hidden, weight, weight_layout, softcap), key, num_valid,
-                 temperature, top_k, top_p, min_p, vocab_chunk, row_ids, num_rows)
+    source = _head_source(hidden, weight, weight_layout, softcap,
+                          hidden_axes if hidden_shards > 1 else ())
+    return _draw(source, key, num_valid, temperature, top_k, top_p, min_p, vocab_chunk,
+                 row_ids, num_rows)
 
 
 def sample_from_logits(

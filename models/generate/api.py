@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jaxhead
-from models.invariant import head_logprobs, row_tiled
+from models.invariant import head_logprobs, head_weight_split, row_tiled
 from models.mesh import BATCH_AXES, active_mesh, present
 from models.transformer import moe_layers
 
@@ -162,16 +162,19 @@ def _invariant_draw(model, hidden, keys, temperature, truncation: dict, d: Decod
     row tiles, log-probs from ``head_logprobs``."""
     head = model.lm_head
     weight = head.weight(hidden.dtype)
+    # on a mesh each device holds H / n rows of the weight; chunks gathered where used
+    axes, spec = head_weight_split(head, hidden.shape[-1])
 
-    def tile(h, rows):  # the weight closed over: a draw has no gradient
-        out = jaxhead.sample(h, weight, jnp.take(keys, rows, axis=0),
+    def tile(w, h, rows):
+        out = jaxhead.sample(h, w, jnp.take(keys, rows, axis=0),
                              temperature=temperature, softcap=head.softcap,
                              num_valid=d.num_valid, weight_layout=head.weight_layout,
-                             **truncation)
+                             weight_hidden_axes=axes, **truncation)
         return out.tokens, out.min_logit, out.logmass
 
     rows = jnp.arange(hidden.shape[0], dtype=jnp.int32)
-    tokens, min_logit, logmass = row_tiled(tile, hidden, rows, lead=1)
+    tokens, min_logit, logmass = row_tiled(tile, hidden, rows, lead=1,
+                                           placed=((weight, spec),))
     t = jnp.asarray(temperature, jnp.float32)
     if not d.truncated:  # the whole softmax: no support, all of its mass
         min_logit = jnp.full(tokens.shape, -jnp.inf, jnp.float32)

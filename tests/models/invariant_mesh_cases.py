@@ -124,15 +124,21 @@ def _moe_block() -> dict:
     return out
 
 
-def mesh_case() -> dict:
-    """float32, the compact engine, sampled, on ``FSDP_EXPERT``; the MoE preset alike in
-    bf16 (its experts sharded over ``expert``); bf16, the reference engine, truncated
-    draws, on ``CONTEXT`` (the trainer's rows split over context); the gradients on
-    ``CONTEXT``."""
-    return {"fsdp_expert": _compare("float32", "compact", 0.7, FSDP_EXPERT),
-            "moe_fsdp_expert": _compare("bfloat16", "compact", 0.7, FSDP_EXPERT,
-                                        preset="tiny-moe"),
-            "context": _compare("bfloat16", "reference", 0.9, CONTEXT, inv.TRUNCATION),
+def fsdp_expert_case() -> dict:
+    """float32, the compact engine, sampled, rows on ``FSDP_EXPERT``."""
+    return _compare("float32", "compact", 0.7, FSDP_EXPERT)
+
+
+def moe_fsdp_expert_case() -> dict:
+    """The MoE preset in bf16, the compact engine, sampled, rows on ``FSDP_EXPERT`` (its
+    experts sharded over ``expert``)."""
+    return _compare("bfloat16", "compact", 0.7, FSDP_EXPERT, preset="tiny-moe")
+
+
+def context_case() -> dict:
+    """bf16, the reference engine, truncated draws, on ``CONTEXT`` (the trainer's rows
+    split over context); and the GRPO step's gradients on ``CONTEXT``."""
+    return {"context": _compare("bfloat16", "reference", 0.9, CONTEXT, inv.TRUNCATION),
             "context_step": _context_step()}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from collections.abc import Sequence
 from typing import Literal
 
 import jax
@@ -241,6 +242,7 @@ def token_logprobs(
     min_logit=None,
     ignore_index: int | None = -100,
     weight_layout: WeightLayout = "hv",
+    weight_hidden_axes: str | Sequence[str] = (),
 ) -> HeadOutput:
     """float32 ``log p(label)`` and entropy of the kept tokens, without ``[N, V]`` logits.
 
@@ -296,6 +298,13 @@ def token_logprobs(
         must be finite.
       weight_layout: ``"hv"`` (``weight [H, V]``) or ``"vh"`` (``weight [V, H]``). Both
         give the same numbers (the same float32 accumulation of each logit).
+      weight_hidden_axes: inside ``jax.shard_map``, the manual mesh axes over which
+        ``weight``'s hidden dimension is split (FSDP / ZeRO-3's layout): ``weight`` is this
+        device's ``H / n`` rows (``n`` the axes' device count) and ``hidden`` has all H.
+        Each vocab chunk is all-gathered where it is used, so no device holds the whole
+        weight, and the weight's gradient comes back split the same way (summed over the
+        axes). The XLA implementations (and ``"reference"``, which gathers it whole);
+        the kernels raise ``KernelUnsupported``. ``()``: the weight is whole.
 
     Returns:
       ``HeadOutput(logprobs, entropy)``, float32 ``[...]``; exactly 0 where ``keep`` is
@@ -322,9 +331,11 @@ def token_logprobs(
     (and, for the bucket case, ``entropy = NaN``) so that the loss turns NaN rather than
     silently wrong; a temperature <= 0 gives inf/NaN the same way.
     """
+    hidden_axes, hidden_shards = validation.hidden_shards(weight_hidden_axes)
     validation.check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit,
-                            weight_layout)
-    hidden_size, vocab_size = layout.sizes(weight.shape, weight_layout)
+                            weight_layout, hidden_shards)
+    vocab_size = layout.sizes(weight.shape, weight_layout)[1]
+    hidden_size = jnp.shape(hidden)[-1]
     bucket = validation.static_bucket(bucket)
     labels, keep, ignored = ignored_labels(labels, keep, bucket, ignore_index)
     validation.check_values(labels, keep, temperature, vocab_size)
@@ -332,7 +343,9 @@ def token_logprobs(
     num_tokens = math.prod(batch_shape)
     rows = num_tokens if keep is None else _resolve_bucket(keep, bucket, num_tokens)
     spec = HeadSpec(rows, hidden_size, vocab_size, jnp.dtype(hidden.dtype).name, softcap,
-                    with_entropy, truncated=min_logit is not None, weight_layout=weight_layout)
+                    with_entropy, truncated=min_logit is not None, weight_layout=weight_layout,
+                    hidden_axes=hidden_axes if hidden_shards > 1 else (),
+                    hidden_shards=hidden_shards)
     head, made, padded = plan(impl, config, spec)
     # under jit: an invalid kept token makes both gradients NaN too, not only its log-prob
     hidden, weight = invalid.nan_gradients_if(

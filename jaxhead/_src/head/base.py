@@ -43,6 +43,10 @@ class HeadSpec:
       truncated: each row's distribution is restricted to ``{v : l_v >= min_logit}`` (and
         its label); the implementation reads the ``min_logit`` row input.
       weight_layout: ``"hv"`` (``w [H, V]``) or ``"vh"`` (``w [V, H]``).
+      hidden_axes: mesh axes (manual, inside ``shard_map``) the weight's hidden dimension
+        is split over (FSDP's layout): ``w`` holds ``H / hidden_shards`` of it, and each
+        vocab chunk is all-gathered over them where it is used (``()``: ``w`` whole).
+      hidden_shards: devices of ``hidden_axes``.
     """
 
     rows: int
@@ -55,6 +59,8 @@ class HeadSpec:
     vocab_shards: int = 1
     truncated: bool = False
     weight_layout: str = "hv"
+    hidden_axes: tuple[str, ...] = ()
+    hidden_shards: int = 1
 
     @property
     def local_vocab(self) -> int:
@@ -64,7 +70,8 @@ class HeadSpec:
     @property
     def local_weight_shape(self) -> tuple[int, int]:
         """The shape of ``w`` on one device, in ``weight_layout``."""
-        return layout.shape(self.hidden_size, self.local_vocab, self.weight_layout)
+        return layout.shape(self.hidden_size // self.hidden_shards, self.local_vocab,
+                            self.weight_layout)
 
 
 class HeadImplementation(Protocol):

@@ -207,8 +207,10 @@ def make_plan(config: PallasTpuConfig | None, spec: HeadSpec) -> tuple[TpuPlan, 
     dtype = jnp.dtype(spec.dtype)
     if dtype not in SUPPORTED_DTYPES:
         raise KernelUnsupported(f"pallas_tpu supports bf16 and float32, got {dtype}")
-    if spec.vocab_axis is not None:
-        raise KernelUnsupported("pallas_tpu has no vocab-parallel variant; it runs on XLA")
+    if spec.vocab_axis is not None or spec.hidden_shards > 1:
+        raise KernelUnsupported(f"pallas_tpu has no vocab-parallel variant and no hidden-split "
+                                f"one (vocab_axis={spec.vocab_axis!r}, hidden_axes="
+                                f"{spec.hidden_axes}); it runs on XLA")
     align = _row_align(dtype)
     capacity = vmem_capacity()
     t, c = _blocks(config or PallasTpuConfig(), spec, dtype, align, capacity)

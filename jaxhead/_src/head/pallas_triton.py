@@ -166,8 +166,10 @@ def make_plan(config: PallasTritonConfig | None, spec: HeadSpec) -> tuple[Triton
     dtype = jnp.dtype(spec.dtype)
     if dtype not in SUPPORTED_DTYPES:
         raise KernelUnsupported(f"pallas_triton supports bf16, f16 and float32, got {dtype}")
-    if spec.vocab_axis is not None:
-        raise KernelUnsupported("pallas_triton has no vocab-parallel variant; it runs on XLA")
+    if spec.vocab_axis is not None or spec.hidden_shards > 1:
+        raise KernelUnsupported(f"pallas_triton has no vocab-parallel variant and no hidden-split "
+                                f"one (vocab_axis={spec.vocab_axis!r}, hidden_axes="
+                                f"{spec.hidden_axes}); it runs on XLA")
     blocks = _resolve(config, dtype, spec.softcap is not None, spec.weight_layout)
     t = min(blocks.block_tokens, _pow2_at_least(spec.rows))
     c = min(blocks.block_vocab, _pow2_at_least(spec.vocab_size))

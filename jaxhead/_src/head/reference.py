@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxhead._src.head import invalid, layout, validation
+from jaxhead._src.head import scan as sc
 from jaxhead._src.head.base import HeadSpec, Implementation
 from jaxhead._src.head.layout import WeightLayout
 from jaxhead._src.types import HeadOutput
@@ -101,7 +102,10 @@ class _Plan:
 
 
 def _rows_head(plan: _Plan, h, w, labels, temperature, min_logit):
-    """Full float32 logits of the compacted rows, plain autodiff."""
+    """Full float32 logits of the compacted rows, plain autodiff (a weight split over
+    ``hidden_axes`` all-gathered whole first)."""
+    w = sc.gather_hidden(plan.spec.hidden_axes, 1 - layout.vocab_dim(plan.spec.weight_layout)
+                         )(w) if plan.spec.hidden_shards > 1 else w
     out = reference_token_logprobs(h, w, labels, temperature=temperature,
                                    softcap=plan.spec.softcap, with_entropy=plan.spec.with_entropy,
                                    min_logit=min_logit if plan.spec.truncated else None,

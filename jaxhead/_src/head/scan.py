@@ -42,6 +42,10 @@ class Tuning:
         has ``shape`` (here the same: ``dw_buffer`` writes it as it is)."""
         return shape
 
+    def dw_hidden_dim(self, weight_layout: str) -> int:
+        """The hidden dimension of a ``dw_chunk_shape`` chunk (here the weight's)."""
+        return 1 - layout.vocab_dim(weight_layout)
+
     def dw_buffer(self, w: jax.Array, weight_layout: str) -> DwBuffer:
         """Where the ``dw`` chunks (``w``'s shape and layout) are written."""
         return DwBuffer(w, layout.vocab_dim(weight_layout))
@@ -101,24 +105,36 @@ def scan(tuning: Tuning, body, carry, xs, pinned, vary=()):
     return carry, ys
 
 
-def scan_vocab(tuning: Tuning, chunk: int, step, carry, w, pinned=(), vary=(), axis: int = 1):
+def scan_vocab(tuning: Tuning, chunk: int, step, carry, w, pinned=(), vary=(), axis: int = 1,
+               fetch=None):
     """Apply ``carry = step(carry, w_c, offset, *pinned)`` to every vocab chunk ``w_c`` of
     ``w`` (in ``tuning.tile_dtype``), sliced along its vocab dimension ``axis`` (1 for
     ``[H, V]``, 0 for ``[V, H]``). Full chunks run in a scan; a ragged remainder runs once
-    more with its own (narrower, static) width, so no padded vocab entry exists."""
+    more with its own (narrower, static) width, so no padded vocab entry exists.
+    ``fetch``: applied to each slice first (None: nothing), e.g. the all-gather of a
+    weight whose hidden dimension is split over devices (``gather_hidden``)."""
     dtype = tuning.tile_dtype(w.dtype)
     n_full, tail = divmod(w.shape[axis], chunk)
+    fetch = fetch or (lambda w_c: w_c)
 
     def body(c, i, w, *pinned):
-        w_c = lax.dynamic_slice_in_dim(w, i * chunk, chunk, axis=axis).astype(dtype)
+        w_c = fetch(lax.dynamic_slice_in_dim(w, i * chunk, chunk, axis=axis)).astype(dtype)
         return step(c, w_c, i * chunk, *pinned), None
 
     if n_full:
         carry, _ = scan(tuning, body, carry, jnp.arange(n_full), (w, *pinned), vary)
     if tail:
-        w_c = lax.slice_in_dim(w, n_full * chunk, w.shape[axis], axis=axis).astype(dtype)
+        w_c = fetch(lax.slice_in_dim(w, n_full * chunk, w.shape[axis], axis=axis)).astype(dtype)
         carry = step(carry, w_c, n_full * chunk, *pinned)
     return carry
+
+
+def gather_hidden(axes: tuple[str, ...], hidden_dim: int):
+    """A ``scan_vocab`` ``fetch``: the chunk all-gathered over the mesh ``axes`` along its
+    ``hidden_dim`` (``[H / n, C]`` -> ``[H, C]``), or None when ``axes`` is empty."""
+    if not axes:
+        return None
+    return lambda w_c: lax.all_gather(w_c, axes, axis=hidden_dim, tiled=True)
 
 
 def chunks(chunk: int, *xs):

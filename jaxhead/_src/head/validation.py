@@ -38,9 +38,10 @@ def dtype_of(x, name: str):
         raise TypeError(f"{name} must be an array (numpy or jax), got {short(x)}") from None
 
 
-def check_weight(hidden_shape, weight_shape, weight_layout) -> None:
+def check_weight(hidden_shape, weight_shape, weight_layout, hidden_shards: int = 1) -> None:
     """Raise unless ``weight_layout`` is ``"hv"`` / ``"vh"`` and a weight of ``weight_shape``
-    in it has the hidden size of ``hidden_shape [..., H]``.
+    in it has the hidden size of ``hidden_shape [..., H]`` (``H / hidden_shards`` of it:
+    a device's part of a weight split over ``hidden_shards`` devices).
 
     Raises:
       ValueError: another layout (named); a weight that is not 2-D, or whose hidden
@@ -55,6 +56,14 @@ def check_weight(hidden_shape, weight_shape, weight_layout) -> None:
     if len(ws) != 2:
         raise ValueError(f"weight must be {names[weight_layout]} with "
                          f"weight_layout={weight_layout!r}, got shape {ws}")
+    if hidden_shards > 1:
+        if hs[-1] % hidden_shards or layout.sizes(ws, weight_layout)[0] * hidden_shards != hs[-1]:
+            raise ValueError(
+                f"weight {list(ws)} with weight_layout={weight_layout!r} split over "
+                f"{hidden_shards} devices along its hidden dimension does not match hidden "
+                f"size {hs[-1]} (hidden shape {hs}): each device must hold H / "
+                f"{hidden_shards} = {hs[-1] / hidden_shards:g} rows of it")
+        return
     if layout.sizes(ws, weight_layout)[0] != hs[-1]:
         other = "vh" if weight_layout == "hv" else "hv"
         what = "weight (e.g. a tied embedding table)" if other == "vh" else "weight"
@@ -66,7 +75,7 @@ def check_weight(hidden_shape, weight_shape, weight_layout) -> None:
 
 
 def check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit=None,
-                 weight_layout="hv") -> None:
+                 weight_layout="hv", hidden_shards: int = 1) -> None:
     """Raise on shape and dtype errors, naming both shapes or dtypes.
 
     Raises:
@@ -78,7 +87,7 @@ def check_inputs(hidden, weight, labels, keep, temperature, softcap, min_logit=N
     hd, wd = dtype_of(hidden, "hidden"), dtype_of(weight, "weight")
     labels_dtype = dtype_of(labels, "labels")
     hs, ls = jnp.shape(hidden), jnp.shape(labels)
-    check_weight(hs, jnp.shape(weight), weight_layout)
+    check_weight(hs, jnp.shape(weight), weight_layout, hidden_shards)
     if ls != hs[:-1]:
         raise ValueError(f"labels shape {ls} must equal hidden shape {hs} without its last axis")
     check_float_pair(hd, wd)
@@ -144,3 +153,24 @@ def check_values(labels, keep, temperature, vocab_size: int) -> None:
                 f"{int(bad.sum())} kept temperature(s) not > 0; first at position {pos} "
                 f"with value {float(t[pos])}"
             )
+
+
+def hidden_shards(axes) -> tuple[tuple[str, ...], int]:
+    """``(axes, devices)`` of ``token_logprobs(weight_hidden_axes=axes)``: the mesh axes as
+    a tuple of names and the product of their sizes (``jax.lax.axis_size``).
+
+    Raises:
+      ValueError: an axis that is not a manual axis of an enclosing ``jax.shard_map`` (or
+        a name that is not a string), named.
+    """
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    n = 1
+    for a in axes:
+        try:
+            n *= jax.lax.axis_size(a)
+        except (NameError, KeyError, ValueError, TypeError) as e:
+            raise ValueError(
+                f"weight_hidden_axes={axes!r}: {a!r} is not a manual mesh axis here; the "
+                f"hidden-split weight is for use inside jax.shard_map over those axes ({e})"
+            ) from None
+    return axes, n

@@ -22,6 +22,13 @@ orders:
 
 Neither ever holds a float32 copy of all of ``w``.
 
+Hidden-split weight (``HeadSpec.hidden_axes``, inside ``jax.shard_map``: FSDP's layout,
+each device holding ``H / n`` rows of ``[H, V]``): each vocab chunk is all-gathered over
+those axes just before its tiles (``[H, C]``, one chunk at a time, never the whole weight),
+the forward runs vocab chunks outer so that each chunk is gathered once per call, and each
+``dw`` chunk is summed over the axes and cut back to the device's rows (``psum_scatter``).
+A tile's arithmetic is the one-device arithmetic: the same ``[T, H] @ [H, C]`` products.
+
 Vocab-parallel (``HeadSpec.vocab_axis``, inside ``jax.shard_map``): device ``k`` of the axis
 holds columns ``[k V/n, (k+1) V/n)`` and the same rows; it scans its own columns and the
 statistics are combined over the axis (``math.combine`` with ``pmax`` / ``psum``), as in
@@ -58,6 +65,12 @@ class XlaConfig:
       vocab_chunk: columns per vocab chunk (V need not be a multiple of it).
       fused_backward_max_bytes: the fused backward runs while its float32 ``[B, H]``
         accumulator fits in this many bytes; above, the two-pass backward.
+      vocab_outer: the forward's loop order: vocab chunks outer, token chunks inner (each
+        weight chunk read, or gathered, once per call; the running statistics of every
+        row carried, four float32 ``[B]`` vectors), rather than tokens outer. A row's
+        arithmetic is the same in both orders (the same tiles folded in the same chunk
+        order). Always on when the weight's hidden dimension is split
+        (``token_logprobs(weight_hidden_axes=...)``).
 
     Raises:
       ValueError: a size below 1 (named).
@@ -66,6 +79,7 @@ class XlaConfig:
     token_chunk: int = 512
     vocab_chunk: int = 8192
     fused_backward_max_bytes: int = 256 * 2**20
+    vocab_outer: bool = False
 
     def __post_init__(self):
         for name in ("token_chunk", "vocab_chunk"):
@@ -86,6 +100,7 @@ class XlaPlan:
     vocab_chunk: int
     fused_backward: bool
     tuning: sc.Tuning
+    vocab_outer: bool = False
 
 
 def padded_rows(num_rows: int, token_chunk: int) -> tuple[int, int]:
@@ -105,7 +120,8 @@ def make_plan(config: XlaConfig, spec: HeadSpec, tuning: sc.Tuning) -> tuple[Xla
     acc_bytes = padded * spec.hidden_size * 4
     limit = max(config.fused_backward_max_bytes, chunk * spec.hidden_size * 4)
     plan = XlaPlan(spec, chunk, min(config.vocab_chunk, spec.local_vocab),
-                   fused_backward=acc_bytes <= limit, tuning=tuning)
+                   fused_backward=acc_bytes <= limit, tuning=tuning,
+                   vocab_outer=config.vocab_outer or spec.hidden_shards > 1)
     return plan, padded
 
 
@@ -119,23 +135,47 @@ def _min_logit(plan: XlaPlan, ml_t):
 
 def _chunk_stats(plan: XlaPlan, h_t, w, y_t, temperature_t, ml_t) -> hm.Stats:
     """``Stats`` ``[T, 1]`` of the rows ``h_t`` over the columns of ``w``."""
-    spec = plan.spec
-    inv_temperature = 1.0 / temperature_t[:, None]
-    y, ml = y_t[:, None], _min_logit(plan, ml_t)
 
     def step(stats, w_c, off):
-        z, _ = hm.logits(layout.logits(h_t, w_c, spec.weight_layout), spec.softcap)
-        hit = (lax.broadcasted_iota(jnp.int32, z.shape, 1) + off) == y
-        valid = hm.support(z, inv_temperature, ml, hit)
-        return hm.update(stats, z, inv_temperature, valid, hit, spec.with_entropy)
+        return _tile_update(plan, stats, h_t, w_c, off, y_t, temperature_t, ml_t)
 
     init = hm.init_stats((h_t.shape[0], 1))
     return sc.scan_vocab(plan.tuning, plan.vocab_chunk, step, init, w,
-                         vary=(h_t, y_t, temperature_t, ml_t), axis=_vocab_dim(plan))
+                         vary=(h_t, y_t, temperature_t, ml_t), axis=_vocab_dim(plan),
+                         fetch=_fetch(plan))
+
+
+def _tile_update(plan: XlaPlan, stats: hm.Stats, h_t, w_c, off, y_t, temperature_t, ml_t
+                 ) -> hm.Stats:
+    """``stats`` ``[T, 1]`` with the tile ``h_t @ w_c`` (columns from ``off``) folded in."""
+    spec = plan.spec
+    inv_temperature = 1.0 / temperature_t[:, None]
+    z, _ = hm.logits(layout.logits(h_t, w_c, spec.weight_layout), spec.softcap)
+    hit = (lax.broadcasted_iota(jnp.int32, z.shape, 1) + off) == y_t[:, None]
+    valid = hm.support(z, inv_temperature, _min_logit(plan, ml_t), hit)
+    return hm.update(stats, z, inv_temperature, valid, hit, spec.with_entropy)
 
 
 def _vocab_dim(plan: XlaPlan) -> int:
     return layout.vocab_dim(plan.spec.weight_layout)
+
+
+def _fetch(plan: XlaPlan):
+    """The ``scan_vocab`` fetch of a weight split over ``hidden_axes`` (else None)."""
+    spec = plan.spec
+    if spec.hidden_shards == 1:
+        return None
+    return sc.gather_hidden(spec.hidden_axes, 1 - _vocab_dim(plan))
+
+
+def _scatter_dw(plan: XlaPlan, dw_c):
+    """A float32 ``dw`` chunk of the whole hidden dimension, summed over ``hidden_axes``
+    and cut to this device's part (``psum_scatter``); as it is without them."""
+    spec = plan.spec
+    if spec.hidden_shards == 1:
+        return dw_c
+    dim = plan.tuning.dw_hidden_dim(spec.weight_layout)
+    return lax.psum_scatter(dw_c, spec.hidden_axes, scatter_dimension=dim, tiled=True)
 
 
 def _local_labels(plan: XlaPlan, labels, w):
@@ -148,15 +188,17 @@ def _local_labels(plan: XlaPlan, labels, w):
 def _forward(plan: XlaPlan, h, w, labels, temperature, min_logit) -> hm.Rows:
     tc, tuning = plan.token_chunk, plan.tuning
     dtype = tuning.tile_dtype(h.dtype)
-
-    def body(_, x, h, w):
-        i, *per_row = x
-        return None, _chunk_stats(plan, sc.rows(h, i, tc, dtype), w, *per_row)
-
     steps = jnp.arange(h.shape[0] // tc)
     local = _local_labels(plan, labels, w)
     xs = (steps, *sc.chunks(tc, local, temperature, min_logit))
-    _, stats = sc.scan(tuning, body, None, xs, (h, w))
+    if plan.vocab_outer:
+        stats = _stats_vocab_outer(plan, xs, h, w)
+    else:
+        def body(_, x, h, w):
+            i, *per_row = x
+            return None, _chunk_stats(plan, sc.rows(h, i, tc, dtype), w, *per_row)
+
+        _, stats = sc.scan(tuning, body, None, xs, (h, w))
     stats = hm.Stats(*(s.reshape(labels.shape) for s in stats))
     inv_temperature = 1.0 / temperature
     axis = plan.spec.vocab_axis
@@ -164,6 +206,27 @@ def _forward(plan: XlaPlan, h, w, labels, temperature, min_logit) -> hm.Rows:
         stats = hm.combine(stats, inv_temperature, plan.spec.with_entropy,
                            lambda x: lax.pmax(x, axis), lambda x: lax.psum(x, axis))
     return hm.finalize(stats, inv_temperature, plan.spec.with_entropy)
+
+
+def _stats_vocab_outer(plan: XlaPlan, xs, h, w) -> hm.Stats:
+    """``Stats`` ``[B / T, T, 1]`` of every row: vocab chunks outer (each fetched once),
+    token chunks inner, each token chunk's statistics carried between vocab chunks."""
+    tc, tuning = plan.token_chunk, plan.tuning
+    dtype = tuning.tile_dtype(h.dtype)
+
+    def vocab_step(stats, w_c, off, h):
+        def token_step(_, x, h, w_c):
+            i, y_t, temperature_t, ml_t, *st = x
+            h_t = sc.rows(h, i, tc, dtype)
+            return None, _tile_update(plan, hm.Stats(*st), h_t, w_c, off, y_t,
+                                      temperature_t, ml_t)
+
+        _, stats = sc.scan(tuning, token_step, None, (*xs, *stats), (h, w_c))
+        return hm.Stats(*stats)
+
+    init = hm.init_stats((h.shape[0] // tc, tc, 1))
+    return sc.scan_vocab(tuning, plan.vocab_chunk, vocab_step, init, w, (h,), vary=xs,
+                         axis=_vocab_dim(plan), fetch=_fetch(plan))
 
 
 # ----------------------------------------------------------------------------- backward
@@ -200,12 +263,12 @@ def _backward_fused(plan: XlaPlan, xs, h, w, dh_dtype):
 
         init = (jnp.zeros(tuning.dw_chunk_shape(w_c.shape, lay), jnp.float32), dh_acc)
         (dw_c, dh_acc), _ = sc.scan(tuning, token_step, init, xs, (h, w_c))
-        return dh_acc, out.write(dw, dw_c, off)
+        return dh_acc, out.write(dw, _scatter_dw(plan, dw_c), off)
 
     out = tuning.dw_buffer(w, lay)
     init = (jnp.zeros(h.shape, jnp.float32), out.init)
     dh, dw = sc.scan_vocab(tuning, plan.vocab_chunk, vocab_step, init, w, (h,), vary=xs,
-                           axis=_vocab_dim(plan))
+                           axis=_vocab_dim(plan), fetch=_fetch(plan))
     return dh.astype(dh_dtype), out.finish(dw)
 
 
@@ -221,7 +284,8 @@ def _backward_two_pass(plan: XlaPlan, xs, h, w, dh_dtype):
             return acc + layout.dhidden(_du_tile(plan, h_t, w_c, off, *x[1:]), w_c, lay)
 
         init = jnp.zeros(h_t.shape, jnp.float32)
-        acc = sc.scan_vocab(tuning, plan.vocab_chunk, step, init, w, vary=(h_t, x), axis=axis)
+        acc = sc.scan_vocab(tuning, plan.vocab_chunk, step, init, w, vary=(h_t, x), axis=axis,
+                            fetch=_fetch(plan))
         return sc.put_rows(dh, x[0], acc), None
 
     dh, _ = sc.scan(tuning, dh_chunk, jnp.zeros(h.shape, dh_dtype), xs, (h, w))
@@ -233,11 +297,11 @@ def _backward_two_pass(plan: XlaPlan, xs, h, w, dh_dtype):
 
         init = jnp.zeros(tuning.dw_chunk_shape(w_c.shape, lay), jnp.float32)
         acc, _ = sc.scan(tuning, token_step, init, xs, (h, w_c))
-        return out.write(dw, acc, off)
+        return out.write(dw, _scatter_dw(plan, acc), off)
 
     out = tuning.dw_buffer(w, lay)
     dw = sc.scan_vocab(tuning, plan.vocab_chunk, dw_step, out.init, w, (h,), vary=xs,
-                       axis=axis)
+                       axis=axis, fetch=_fetch(plan))
     return dh, out.finish(dw)
 
 

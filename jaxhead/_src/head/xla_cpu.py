@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax.numpy as jnp
 from jax import lax
@@ -105,6 +106,9 @@ class CpuTuning(sc.Tuning):
     def dw_chunk_shape(self, shape, weight_layout):
         return shape if weight_layout == "hv" else shape[::-1]  # [H, C] either way
 
+    def dw_hidden_dim(self, weight_layout):
+        return 0  # [H, C] either way
+
     def dw_buffer(self, w, weight_layout) -> sc.DwBuffer:
         axis = layout.vocab_dim(weight_layout)
         return _BitsDwBuffer(w, axis) if self.dw_as_bits else _CpuDwBuffer(w, axis)
@@ -115,7 +119,7 @@ def make_plan(config: XlaCpuConfig | None, spec: HeadSpec) -> tuple[xla.XlaPlan,
     config = config or XlaCpuConfig()
     narrow = jnp.dtype(spec.dtype).itemsize == 2
     native = cpu_has_bf16_matmul() if config.bf16_matmul is None else config.bf16_matmul
-    dw_bytes = spec.hidden_size * spec.local_vocab * 2
+    dw_bytes = math.prod(spec.local_weight_shape) * 2
     tuning = CpuTuning(widen_16bit=narrow and not native,
                        dw_as_bits=narrow and dw_bytes <= config.dw_bits_max_bytes)
     return xla.make_plan(config, spec, tuning)
