@@ -9,7 +9,7 @@ sits in. Here:
 
 * the router runs on the row tiles of ``models.invariant.row_tiled``: float32
   ``[ROW_TILE, H] x [H, E]`` logits, softmax, top-k and the renormalisation of the chosen
-  probabilities, each a function of the token's own row (``tile_logits``,
+  probabilities, each a function of the token's own row (``router_logits``,
   ``models.moe.layer.route``);
 * the experts run expert-major (``expert_tiles``): the (token, slot) pairs are grouped by
   expert, each expert's group padded to a multiple of ``EXPERT_TILE`` rows, and each tile,
@@ -64,9 +64,10 @@ from models.sharding import DEFAULT_RULES, logical_to_mesh
 EXPERT_TILE = ROW_TILE
 
 
-def tile_logits(x: jax.Array, router: jax.Array) -> jax.Array:
-    """Router logits of one tile: ``x [t, H] @ router [H, E]`` accumulated in float32
-    (``[t, E]``); both in the compute dtype."""
+def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
+    """Router logits ``x [t, H] @ router [H, E]`` accumulated in float32 (``[t, E]``),
+    both in the compute dtype: one statement for the default path (all tokens) and the
+    invariant one (a row tile)."""
     return jnp.einsum("th,he->te", x, router, preferred_element_type=jnp.float32)
 
 

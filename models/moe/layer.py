@@ -41,7 +41,7 @@ from models import context
 from models.config import ModelConfig
 from models.layers import param
 from models.moe.api import routed_experts
-from models.moe.invariant import on_mesh, tile_logits, values_with_gradient_of
+from models.moe.invariant import on_mesh, router_logits, values_with_gradient_of
 from models.moe.reference import dropless_experts
 
 
@@ -177,8 +177,7 @@ class MoE(nnx.Module):
         x, token_mask = context.to_token_major(x, c), context.to_token_major(token_mask, c)
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).astype(dt)
-        logits = jnp.einsum("th,he->te", flat, self.router[...].astype(dt),
-                            preferred_element_type=jnp.float32)
+        logits = router_logits(flat, self.router[...].astype(dt))
         if replay is None:
             probs, weights, experts = route(logits, self.top_k, self.norm_topk_prob)
         else:  # routing replay: the recorded experts, the trainer's gate values
@@ -218,9 +217,9 @@ class MoE(nnx.Module):
         """The router on one row tile under ``numerics="invariant"`` (called by
         ``models.invariant.row_tiled``): ``h [t, H]`` normed hidden states ->
         ``(probs [t, E] float32, weights [t, k] float32, experts [t, k] int32)``, each row
-        a function of its own token (``models.moe.invariant.tile_logits``, ``route``)."""
+        a function of its own token (``models.moe.invariant.router_logits``, ``route``)."""
         dt = self.dtype
-        return route(tile_logits(h.astype(dt), self.router[...].astype(dt)), self.top_k,
+        return route(router_logits(h.astype(dt), self.router[...].astype(dt)), self.top_k,
                      self.norm_topk_prob)
 
     def residual_block(self, x: jax.Array, h: jax.Array, weights: jax.Array,
