@@ -194,9 +194,10 @@ def row_tiled(fn: Callable, *xs: jax.Array, lead: int = 2, tile: int = ROW_TILE,
     device gets its part of, as there).
 
     Args:
-      fn: ``fn(*modules, *tiles) -> pytree`` of arrays: ``[tile, ...]`` in, ``[tile,
-        ...]`` out, row ``i`` of each output a function of row ``i`` of the inputs only;
-        a pure function of its arguments and of arrays it closes over (differentiable).
+      fn: ``fn(*modules, *placed arrays, *tiles) -> pytree`` of arrays: ``[tile, ...]``
+        in, ``[tile, ...]`` out, row ``i`` of each output a function of row ``i`` of the
+        inputs only; a pure function of its arguments and of arrays it closes over
+        (differentiable).
       xs: arrays whose first ``lead`` dimensions are the same (e.g. ``[B, T, H]`` hidden
         states and ``[B, T]`` positions with ``lead=2``): the token rows.
       lead: how many leading dimensions index the rows.
@@ -205,6 +206,8 @@ def row_tiled(fn: Callable, *xs: jax.Array, lead: int = 2, tile: int = ROW_TILE,
         trainer's forward; ``shard_axes``).
       modules: the ``nnx.Module`` s ``fn`` reads its parameters from, passed to it first
         (on a mesh, rebuilt inside ``jax.shard_map``: ``on_shards``).
+      placed: ``(array, PartitionSpec)`` pairs passed to ``fn`` after the modules, each
+        device's part on a mesh (``on_shards``), the arrays whole without one.
 
     The rows (the ``lead`` dimensions flattened) are padded with zeros to a multiple of
     ``tile`` and mapped with ``map_tiles`` over ``[rows / tile, tile, ...]``, so ``fn``
@@ -309,8 +312,8 @@ def head_logprobs(lm_head, hidden: jax.Array, labels: jax.Array, keep, *, temper
     entropy is always computed (its flag changes the compiled tile) and returned only
     ``with_entropy``. On a mesh each device does this for its own rows (``on_shards``),
     ``bucket`` is a shard's, and the head's weight enters split along its hidden dimension
-    over the mesh (``hidden_split``): each ``[H, VOCAB_CHUNK]`` chunk is all-gathered where
-    it is used (``token_logprobs(weight_hidden_axes=...)``), so no device holds the whole
+    over the mesh (``head_weight_split``): each vocab chunk (``VOCAB_CHUNK`` entries, all
+    of H) is all-gathered where it is used (``token_logprobs(weight_hidden_axes=...)``), so no device holds the whole
     weight (it held all of it: 0.58 GiB more for the 30B preset's decode) and the tiles are
     the one-device tiles.
 

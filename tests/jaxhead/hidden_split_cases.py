@@ -56,6 +56,31 @@ def _relative_errors(impl: str, fused: bool, layout: str) -> dict:
             "gathered": sorted(set(re.findall(r"= \w+(\[[\d,]+\])\S* all-gather\(", hlo)))}
 
 
+def _invalid_label() -> dict:
+    """One kept token of the first device with a label outside ``[0, V)`` under ``jit``:
+    whether every device's part of the weight's gradient is NaN (as a whole weight's
+    would be), and the hidden states' gradient."""
+    hidden, weight, labels, keep, *_ = _inputs(jnp.float32, "hv")
+    labels = labels.at[0].set(10_000)
+    keep = keep.at[0].set(True)
+    mesh = jax.make_mesh((4,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def local(hidden, w, labels, keep):
+        out = jaxhead.token_logprobs(hidden, w, labels, keep, impl="xla", bucket=8,
+                                     config=jaxhead.XlaConfig(token_chunk=16, vocab_chunk=96),
+                                     weight_hidden_axes="fsdp")
+        return jax.lax.psum(jnp.sum(jnp.where(keep, out.logprobs, 0.0)), "fsdp")
+
+    run = jax.shard_map(local, mesh=mesh, out_specs=P(),
+                        in_specs=(P("fsdp"), P("fsdp", None), P("fsdp"), P("fsdp")))
+    dh, dw = jax.jit(jax.grad(run, (0, 1)))(hidden, weight, labels, keep)
+    parts = np.split(np.asarray(dw), 4, axis=0)
+    return {"dweight_parts_all_nan": [bool(np.isnan(p).all()) for p in parts],
+            "dhidden_nan": bool(np.isnan(np.asarray(dh)).any())}
+
+
 def gradient_case() -> dict:
-    return {f"{name}-{layout}": _relative_errors(*IMPLS[name], layout)
-            for name in IMPLS for layout in ("hv", "vh")}
+    out = {f"{name}-{layout}": _relative_errors(*IMPLS[name], layout)
+           for name in IMPLS for layout in ("hv", "vh")}
+    out["invalid_label"] = _invalid_label()
+    return out

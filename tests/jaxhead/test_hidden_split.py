@@ -2,8 +2,9 @@
 over devices (FSDP's layout), each vocab chunk all-gathered where it is used.
 
 ``jax.vmap`` with an axis name stands in for the mesh axis (its collectives are
-``shard_map``'s: ``all_gather`` and ``psum_scatter`` over the mapped axis): each of ``N``
-"devices" holds ``H / N`` rows of the weight and every token. Log-probs and entropy are
+``shard_map``'s: ``all_gather`` and ``psum_scatter`` over the mapped axis): each of
+``DEVICES`` "devices" holds ``H / DEVICES`` of the weight's hidden dimension and every
+token. Log-probs and entropy are
 the whole-weight head's bit for bit (the same ``[T, H] @ [H, C]`` tiles), and both loop
 orders are the same bits. The gradients need ``jax.shard_map`` (a custom VJP's backward
 does not see a ``vmap`` axis name): on 4 CPU devices in a subprocess, against the float64
@@ -88,6 +89,10 @@ def test_split_weight_gradients_match_float64():
     tokens; fused and two-pass backward, both layouts, ``xla``, ``xla_cpu`` and
     ``reference``."""
     results = run_case("tests.jaxhead.hidden_split_cases:gradient_case", DEVICES)
+    # an invalid kept label on one device: NaN in every device's part of dW (jaxhead's
+    # rule: both gradients NaN, never a silently wrong step)
+    invalid = results.pop("invalid_label")
+    assert invalid == {"dweight_parts_all_nan": [True] * DEVICES, "dhidden_nan": True}
     assert len(results) == 10
     for name, r in results.items():
         assert r["dhidden"] < 1e-5 and r["dweight"] < 1e-5, (name, r)
@@ -103,11 +108,14 @@ def test_split_weight_gradients_match_float64():
             assert set(r["gathered"]) == chunks, (name, r)
 
 
-def test_hidden_axes_outside_shard_map_are_refused():
+def test_hidden_axes_outside_shard_map_or_named_twice_are_refused():
     hidden, weight, labels, *_ = _inputs(jnp.float32, "hv")
     with pytest.raises(ValueError, match=r"weight_hidden_axes=\('fsdp',\): 'fsdp' is not a "
                                          r"manual mesh axis"):
         jaxhead.token_logprobs(hidden, weight, labels, weight_hidden_axes="fsdp")
+    with pytest.raises(ValueError, match=r"\('fsdp', 'fsdp'\) names an axis twice"):
+        jaxhead.sample(hidden, weight, jax.random.key(0),
+                       weight_hidden_axes=("fsdp", "fsdp"))
 
 
 def test_a_weight_of_the_wrong_part_size_is_named():
@@ -116,7 +124,7 @@ def test_a_weight_of_the_wrong_part_size_is_named():
     def one(w):
         return jaxhead.token_logprobs(hidden, w, labels, weight_hidden_axes="fsdp").logprobs
 
-    with pytest.raises(ValueError, match=r"split over 4 devices .* H / 4 = 12 rows"):
+    with pytest.raises(ValueError, match=r"split over 4 devices .* H / 4 = 12 of its hidden"):
         jax.vmap(one, axis_name="fsdp")(jnp.zeros((DEVICES, 10, V)))
 
 

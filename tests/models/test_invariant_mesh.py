@@ -5,7 +5,8 @@ the trainer's (packed rows, two micro-batches, a bucket per shard) bit for bit,
 ``np.array_equal``:
 
 * float32, the ``compact`` engine, sampled, rows over data=2 x fsdp=2 x expert=2 (in the
-  ``slow`` set; the next case is its bf16 twin on the same mesh);
+  ``slow`` set: by default the MoE preset's bf16 case below runs the compact engine on
+  the same mesh, and the dense model runs on the context mesh);
 * the same in bf16 for the ``tiny-moe`` preset, its experts sharded over ``expert``;
 * bf16, the ``reference`` engine, truncated draws (top-k, top-p and min-p), rows over
   fsdp=2 x expert=2 and the trainer's rows split over context=2;
@@ -45,8 +46,8 @@ def _moe_result() -> dict:
 
 
 @pytest.mark.parametrize("name", [
-    # float32 on this mesh: its bf16 twin (the MoE preset's rows on the same mesh) runs by
-    # default
+    # the dense float32 case: by default the MoE preset's bf16 case runs the same engine
+    # on the same mesh, the dense model the context mesh
     pytest.param("fsdp_expert", marks=pytest.mark.slow), "moe_fsdp_expert", "context"])
 def test_sampler_logprobs_are_the_trainers_on_a_mesh(name):
     r = _result("context_case")[name] if name == "context" else _result(f"{name}_case")

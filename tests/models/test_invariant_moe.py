@@ -55,7 +55,17 @@ def test_moe_sampler_logprobs_are_the_trainers_bit_for_bit(engine, dtype):
     np.testing.assert_array_equal(trainer, roll.logprobs)
 
 
-@pytest.mark.slow  # the sampled cases above and the dense engines' agreement run by default
+def test_moe_greedy_draws_are_the_trainers():
+    """Greedy draws in bf16 on the compact engine: bit for bit against the trainer (the
+    default set's MoE greedy case; the next test adds every engine)."""
+    prompts, roll = _rollout("bfloat16", "invariant", "compact", 0.0, MOE)
+    trainer = _trainer_logprobs("bfloat16", "invariant", prompts, roll, 1.0, MOE)
+    np.testing.assert_array_equal(trainer, roll.logprobs)
+
+
+# in the slow set: the compact engine's greedy case above and the dense engines' agreement
+# run by default
+@pytest.mark.slow
 def test_moe_greedy_and_engines_agree():
     """Greedy draws in bf16: bit for bit against the trainer, and the same tokens and
     log-probs from every engine (so from any row, batch and admission order)."""

@@ -299,8 +299,9 @@ def token_logprobs(
       weight_layout: ``"hv"`` (``weight [H, V]``) or ``"vh"`` (``weight [V, H]``). Both
         give the same numbers (the same float32 accumulation of each logit).
       weight_hidden_axes: inside ``jax.shard_map``, the manual mesh axes over which
-        ``weight``'s hidden dimension is split (FSDP / ZeRO-3's layout): ``weight`` is this
-        device's ``H / n`` rows (``n`` the axes' device count) and ``hidden`` has all H.
+        ``weight``'s hidden dimension is split (FSDP / ZeRO-3's layout): ``weight`` holds
+        this device's ``H / n`` of its hidden dimension (``n`` the axes' device count;
+        rows of ``[H, V]``, columns of ``[V, H]``) and ``hidden`` has all H.
         Each vocab chunk is all-gathered where it is used, so no device holds the whole
         weight, and the weight's gradient comes back split the same way (summed over the
         axes). The XLA implementations (and ``"reference"``, which gathers it whole);
@@ -348,8 +349,11 @@ def token_logprobs(
                     hidden_shards=hidden_shards)
     head, made, padded = plan(impl, config, spec)
     # under jit: an invalid kept token makes both gradients NaN too, not only its log-prob
-    hidden, weight = invalid.nan_gradients_if(
-        invalid.invalid_kept(labels, keep, vocab_size, padded), hidden, weight)
+    # (a split weight: every device's part of it, as a whole weight's psum would)
+    bad = invalid.invalid_kept(labels, keep, vocab_size, padded)
+    if spec.hidden_axes:
+        bad = jax.lax.pmax(bad.astype(jnp.int32), spec.hidden_axes) > 0
+    hidden, weight = invalid.nan_gradients_if(bad, hidden, weight)
     logp, ent = run_compacted(
         head, made, padded, hidden.reshape(num_tokens, hidden_size), weight,
         labels.reshape(num_tokens).astype(jnp.int32), *row_inputs(temperature, min_logit,

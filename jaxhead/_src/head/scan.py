@@ -131,7 +131,8 @@ def scan_vocab(tuning: Tuning, chunk: int, step, carry, w, pinned=(), vary=(), a
 
 def gather_hidden(axes: tuple[str, ...], hidden_dim: int):
     """A ``scan_vocab`` ``fetch``: the chunk all-gathered over the mesh ``axes`` along its
-    ``hidden_dim`` (``[H / n, C]`` -> ``[H, C]``), or None when ``axes`` is empty."""
+    ``hidden_dim`` (``[H / n, C]`` -> ``[H, C]``, or ``[C, H / n]`` -> ``[C, H]``), or None
+    when ``axes`` is empty."""
     if not axes:
         return None
     return lambda w_c: lax.all_gather(w_c, axes, axis=hidden_dim, tiled=True)

@@ -62,7 +62,7 @@ def check_weight(hidden_shape, weight_shape, weight_layout, hidden_shards: int =
                 f"weight {list(ws)} with weight_layout={weight_layout!r} split over "
                 f"{hidden_shards} devices along its hidden dimension does not match hidden "
                 f"size {hs[-1]} (hidden shape {hs}): each device must hold H / "
-                f"{hidden_shards} = {hs[-1] / hidden_shards:g} rows of it")
+                f"{hidden_shards} = {hs[-1] / hidden_shards:g} of its hidden dimension")
         return
     if layout.sizes(ws, weight_layout)[0] != hs[-1]:
         other = "vh" if weight_layout == "hv" else "hv"
@@ -160,10 +160,12 @@ def hidden_shards(axes) -> tuple[tuple[str, ...], int]:
     a tuple of names and the product of their sizes (``jax.lax.axis_size``).
 
     Raises:
-      ValueError: an axis that is not a manual axis of an enclosing ``jax.shard_map`` (or
-        a name that is not a string), named.
+      ValueError: an axis that is not a manual axis of an enclosing ``jax.shard_map``, or
+        one named twice (named).
     """
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"weight_hidden_axes={axes!r} names an axis twice")
     n = 1
     for a in axes:
         try:
