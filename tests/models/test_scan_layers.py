@@ -70,9 +70,12 @@ def assert_close(actual, expected, what, rel=1e-5):
     assert err <= rel * max(np.abs(np.asarray(expected)).max(), 1e-30), (what, err)
 
 
+# the offload policy in the slow set: tests/models/test_remat.py runs it with scanned
+# layers on both models by default
 @pytest.mark.parametrize("kind", list(CONFIGS))
-@pytest.mark.parametrize("remat, policy", [(False, "nothing_saved"), (True, "nothing_saved"),
-                                           (True, "dots_saved"), (True, "offload")])
+@pytest.mark.parametrize("remat, policy", [
+    (False, "nothing_saved"), (True, "nothing_saved"), (True, "dots_saved"),
+    pytest.param(True, "offload", marks=pytest.mark.slow)])
 def test_scan_equals_loop_forward_aux_and_gradients(kind, remat, policy):
     loop = random_model(config(kind, remat=remat, remat_policy=policy), seed=1)
     scan = as_scanned(loop)
