@@ -455,10 +455,8 @@ def sample(
     vocab = layout.sizes(weight.shape, weight_layout)[1]
     num_valid = _check_settings(hidden.shape[0], vocab, num_valid, temperature, top_k,
                                 top_p, min_p, vocab_chunk)
-    source = _head_source(hidden, weight, weight_layout, softcap,
-                          hidden_axes if hidden_shards > 1 else ())
-    return _draw(source, key, num_valid, temperature, top_k, top_p, min_p, vocab_chunk,
-                 row_ids, num_rows)
+    return _draw(_head_source(hidden, weight, weight_layout, softcap, hidden_axes), key,
+                 num_valid, temperature, top_k, top_p, min_p, vocab_chunk, row_ids, num_rows)
 
 
 def sample_from_logits(

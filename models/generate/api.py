@@ -162,7 +162,8 @@ def _invariant_draw(model, hidden, keys, temperature, truncation: dict, d: Decod
     row tiles, log-probs from ``head_logprobs``."""
     head = model.lm_head
     weight = head.weight(hidden.dtype)
-    # on a mesh each device holds H / n rows of the weight; chunks gathered where used
+    # on a mesh each device holds H / n of the weight's hidden dimension (chunks gathered
+    # where used)
     axes, spec = head_weight_split(head, hidden.shape[-1])
 
     def tile(w, h, rows):

@@ -345,8 +345,7 @@ def token_logprobs(
     rows = num_tokens if keep is None else _resolve_bucket(keep, bucket, num_tokens)
     spec = HeadSpec(rows, hidden_size, vocab_size, jnp.dtype(hidden.dtype).name, softcap,
                     with_entropy, truncated=min_logit is not None, weight_layout=weight_layout,
-                    hidden_axes=hidden_axes if hidden_shards > 1 else (),
-                    hidden_shards=hidden_shards)
+                    hidden_axes=hidden_axes, hidden_shards=hidden_shards)
     head, made, padded = plan(impl, config, spec)
     # under jit: an invalid kept token makes both gradients NaN too, not only its log-prob
     # (a split weight: every device's part of it, as a whole weight's psum would)

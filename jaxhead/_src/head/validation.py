@@ -157,7 +157,8 @@ def check_values(labels, keep, temperature, vocab_size: int) -> None:
 
 def hidden_shards(axes) -> tuple[tuple[str, ...], int]:
     """``(axes, devices)`` of ``token_logprobs(weight_hidden_axes=axes)``: the mesh axes as
-    a tuple of names and the product of their sizes (``jax.lax.axis_size``).
+    a tuple of names and the product of their sizes (``jax.lax.axis_size``); ``((), 1)``
+    when that product is 1 (nothing is split).
 
     Raises:
       ValueError: an axis that is not a manual axis of an enclosing ``jax.shard_map``, or
@@ -175,4 +176,4 @@ def hidden_shards(axes) -> tuple[tuple[str, ...], int]:
                 f"weight_hidden_axes={axes!r}: {a!r} is not a manual mesh axis here; the "
                 f"hidden-split weight is for use inside jax.shard_map over those axes ({e})"
             ) from None
-    return axes, n
+    return (axes, n) if n > 1 else ((), 1)
