@@ -3,11 +3,16 @@ and step, data position and anything else JSON-able (metadata).
 
 Orbax writes each step into a temporary directory and renames it when complete, so
 ``latest_step()`` only ever names a complete checkpoint: after a SIGKILL the job resumes
-from the last one that finished, and unfinished temporaries are cleaned up on start.
+from the last one that finished, and a writer removes unfinished temporaries when it opens
+the directory. It removes them itself, before returning: orbax's own cleanup
+(``cleanup_tmp_directories``) runs in a background thread that ``close()`` does not wait
+for, and a process that exits while it runs (an error right after opening) prints a
+traceback from the interpreter's shutdown. Read-only views never remove anything.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +28,24 @@ class Checkpointer:
       directory: where step directories go (created).
       every: save interval in steps.
       keep: how many recent checkpoints to keep.
+      read_only: a view that restores and lists steps only: it neither creates the
+        directory nor removes anything in it, and ``save`` raises.
     """
 
-    def __init__(self, directory, every: int, keep: int):
+    def __init__(self, directory, every: int = 1, keep: int | None = None, *,
+                 read_only: bool = False):
         self.directory = Path(directory).absolute()
+        self.read_only = read_only
+        # not orbax's read_only option, which logs a warning at every open: a view keeps
+        # every step (max_to_keep=None) and its own save() refuses
         options = ocp.CheckpointManagerOptions(
-            save_interval_steps=max(1, every), max_to_keep=keep, create=True,
-            cleanup_tmp_directories=True, enable_async_checkpointing=False,
-        )
+            save_interval_steps=max(1, every), max_to_keep=None if read_only else keep,
+            create=not read_only, cleanup_tmp_directories=False,
+            enable_async_checkpointing=False)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        if not read_only and jax.process_index() == 0:
+            for name in ocp.path.step.tmp_checkpoints(self.directory):
+                shutil.rmtree(self.directory / name)
 
     def latest_step(self) -> int | None:
         """The step of the latest complete checkpoint, or None."""
@@ -50,7 +64,13 @@ class Checkpointer:
              ) -> bool:
         """Save the pytrees ``items`` (name -> pytree of arrays, e.g. params, opt_state,
         rng) and ``meta`` (JSON) at ``step`` if the interval says so or ``force``; returns
-        whether it saved. Blocks until written."""
+        whether it saved. Blocks until written.
+
+        Raises:
+          ValueError: the checkpointer is a read-only view (its directory named).
+        """
+        if self.read_only:
+            raise ValueError(f"{self.directory} is open read-only: cannot save step {step}")
         if jax.process_count() > 1:  # arrays of one process only: saved from the host
             items = jax.tree.map(
                 lambda x: np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable
@@ -108,7 +128,7 @@ def check_resumable(directory, steps: int) -> None:
     path = Path(directory)
     if not path.is_dir():
         return
-    ckpt = Checkpointer(path, every=1, keep=1_000_000)
+    ckpt = Checkpointer(path, read_only=True)
     try:
         latest = ckpt.latest_step()
         if latest is not None and latest < steps and not ckpt.has_item(latest, "opt_state"):
@@ -121,7 +141,8 @@ def check_resumable(directory, steps: int) -> None:
 
 
 def require_checkpoint(directory) -> Checkpointer:
-    """A read-only view of an existing checkpoint directory (e.g. an SFT warm start).
+    """A read-only view of an existing checkpoint directory (e.g. an SFT warm start); the
+    caller closes it.
 
     Raises:
       FileNotFoundError: the directory does not exist or holds no complete checkpoint.
@@ -129,8 +150,9 @@ def require_checkpoint(directory) -> Checkpointer:
     path = Path(directory)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
-    ckpt = Checkpointer(path, every=1, keep=1_000_000)
+    ckpt = Checkpointer(path, read_only=True)
     if ckpt.latest_step() is None:
+        ckpt.close()
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} holds no complete "
                                 "checkpoint")
     return ckpt

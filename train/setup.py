@@ -119,7 +119,7 @@ def build(cfg) -> Setup:
     for name in sft_kwargs:  # a config the task rejects fails here, before any work
         sft_tasks.dataset(name, cfg.data.train_seed)
     if cfg.init.sft_checkpoint:
-        require_checkpoint(cfg.init.sft_checkpoint)  # fail early, before any work
+        require_checkpoint(cfg.init.sft_checkpoint).close()  # fail early, before any work
     check_resumable(workdir / SFT_DIR, cfg.sft.steps)
     check_resumable(workdir / GRPO_DIR, cfg.train.steps)
     mdef = state.ModelDef.of(run_model_config(cfg))
@@ -233,8 +233,10 @@ def initial_params(cfg, s: Setup) -> state.Params:
     ``build``), or a random init with ``cfg.seed`` (created sharded)."""
     if cfg.init.sft_checkpoint:
         ckpt = require_checkpoint(cfg.init.sft_checkpoint)
-        items, _ = ckpt.restore({"params": s.placement.abstract_params()})
-        return items["params"]
+        try:
+            return ckpt.restore({"params": s.placement.abstract_params()})[0]["params"]
+        finally:
+            ckpt.close()
     if s.hf_params is not None:
         return s.hf_params
     return s.placement.init_params(cfg.seed)

@@ -6,10 +6,13 @@ the trainer's (packed rows, two micro-batches, a bucket per shard) bit for bit,
 
 * float32, the ``compact`` engine, sampled, rows over data=2 x fsdp=2 x expert=2 (in the
   ``slow`` set: by default the MoE preset's bf16 case below runs the compact engine on
-  the same mesh, and the dense model runs on the context mesh);
+  the same mesh);
 * the same in bf16 for the ``tiny-moe`` preset, its experts sharded over ``expert``;
 * bf16, the ``reference`` engine, truncated draws (top-k, top-p and min-p), rows over
-  fsdp=2 x expert=2 and the trainer's rows split over context=2;
+  fsdp=2 x expert=2 and the trainer's rows split over context=2 (in the ``slow`` set with
+  the context step below: one device's truncated draws are the trainer's by default in
+  test_invariant_numerics.py, the context-parallel step one device's in
+  test_context_parallel.py);
 
 and both equal what one device computes in the same process (the results do not depend
 on the device count); the trainer's GRPO step on the context mesh gives one device's
@@ -48,7 +51,8 @@ def _moe_result() -> dict:
 @pytest.mark.parametrize("name", [
     # the dense float32 case: by default the MoE preset's bf16 case runs the same engine
     # on the same mesh, the dense model the context mesh
-    pytest.param("fsdp_expert", marks=pytest.mark.slow), "moe_fsdp_expert", "context"])
+    pytest.param("fsdp_expert", marks=pytest.mark.slow), "moe_fsdp_expert",
+    pytest.param("context", marks=pytest.mark.slow)])
 def test_sampler_logprobs_are_the_trainers_on_a_mesh(name):
     r = _result("context_case")[name] if name == "context" else _result(f"{name}_case")
     assert r["compared"] > r["rows"], r  # completions of several tokens
@@ -59,6 +63,10 @@ def test_sampler_logprobs_are_the_trainers_on_a_mesh(name):
         assert r["truncated"], r
 
 
+# in the slow set with the context mesh's sampler case above (one 8-device process): the
+# context-parallel step equals one device's in test_context_parallel.py, and the invariant
+# mode's mesh bits are the MoE case's
+@pytest.mark.slow
 def test_context_parallel_step_is_one_devices():
     r = _result("context_case")["context_step"]
     assert r["logp_as_one_device"], r

@@ -57,6 +57,9 @@ def test_router_statistics_are_the_unchunked_ones():
     assert not np.asarray(y1)[~np.asarray(mask)].any()  # padding: output 0
 
 
+# in the slow set: expert parallelism is test_expert_parallel.py's, chunking the one-device
+# tests' above; this case is their product (an 8-device process)
+@pytest.mark.slow
 def test_expert_parallel_chunks_equal_unchunked():
     r = run_case("tests.models.moe_chunk_cases:mesh_case")
     for dispatch in ("dense", "ragged"):
