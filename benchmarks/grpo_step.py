@@ -34,10 +34,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # models, train: a checkout's
 import models
-from train import packing, rl_loss, state, steps
-from train.config import base_config
-from train.optim import make_optimizer
-from train.placement import Placement, place_batch
+from train.rl import packing, rl_loss, state, steps
+from train.rl.optim import make_optimizer
+from train.rl.placement import Placement, place_batch
+from train.run.schema import base_config
 
 
 def batch(args, rng) -> packing.PackedBatch:

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import jaxhead
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train: a checkout's
-from train.metrics import machine
+from train.run.metrics import machine
 
 GiB = 2**30
 

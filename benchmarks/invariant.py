@@ -9,7 +9,7 @@ Workload (``harness.on_policy.workload``): a freshly initialised ``--preset`` de
 (``models.PRESETS``; ``--layers`` of them) untied, ``--dtype`` compute, ``--prompts``
 prompts of 8-40 tokens, ``--group`` samples each, ``--new-tokens`` tokens (no stop
 token), the ``compact`` engine at temperature 1; then one GRPO update
-(``train.steps.grpo_step``: forward, backward, AdamW) on the rollout packed into rows of
+(``train.rl.steps.grpo_step``: forward, backward, AdamW) on the rollout packed into rows of
 ``--row-len`` tokens. Each is compiled by a first call, then timed over ``--repeats``
 calls (the median; process CPU seconds and wall seconds). The gap: ``|logp_trainer -
 logp_sampler|`` over the completion tokens, max and mean (the step's ``logprob_diff_*``).

@@ -3,7 +3,7 @@
 Nothing is allocated: the step is lowered on abstract shapes (``jax.ShapeDtypeStruct``)
 for a mesh of fake CPU devices and compiled; ``Compiled.memory_analysis()`` then gives the
 per-device sizes of XLA's buffer assignment. The step is the trainer's GRPO step
-(``train.steps.grpo_step``, ``harness.memory.measure``): decoder forward (expert-parallel
+(``train.rl.steps.grpo_step``, ``harness.memory.measure``): decoder forward (expert-parallel
 MoE), the head per token shard on the kept tokens, the GRPO loss, backward, an
 ``optax.adam`` update (float32 ``m`` and ``v``), parameters and optimizer state donated.
 CPU buffer assignment approximates what a TPU or GPU compile would do (same program,

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train: a checkout's
-from train import plot as run_plot
+from train.run import plot as run_plot
 
 ROOT = Path(__file__).resolve().parents[1]
 IMG = ROOT / "docs" / "img"
@@ -166,7 +166,7 @@ def main(argv=None) -> None:
     elif args.plot == "memory-breakdown":
         path = memory_breakdown(args.output.read_text(), out)
     else:
-        from train.metrics import machine
+        from train.run.metrics import machine
 
         runs = {d.name: run_plot.read_run(d) for d in args.runs}
         path = run_plot.grpo_curve(runs, out, args.machine or machine())

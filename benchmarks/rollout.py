@@ -1,7 +1,7 @@
 """Rollouts of a long-tailed workload: the ``reference`` engine (the whole batch decodes
 until its longest row stops) vs the ``compact`` engine (one prefill per prompt, a paged KV
 cache, finished rows leave the batch), the latter also with at most ``--max-rows`` rows
-decoding at once (continuous batching), ``train.rollout.Generator`` every way.
+decoding at once (continuous batching), ``train.rl.rollout.Generator`` every way.
 
     python benchmarks/rollout.py                  # 16 prompts x G = 8, ~256-token prompts
     python benchmarks/rollout.py --rounds 5 --decode-chunk 32 --page-size 32
@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's pac
 from harness.machine import describe
 from models import get_config
 from models.mesh import make_mesh
-from train import rollout, state
-from train.placement import Placement
+from train.rl import rollout, state
+from train.rl.placement import Placement
 
 #: name -> (engine, whether ``--max-rows`` caps it)
 ENGINES = {"reference": ("reference", False), "compact": ("compact", False),

@@ -38,13 +38,13 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's packages
 from harness.machine import describe
-from harness.memory import _topology_devices
+from harness.memory import topology_devices
 from models import get_config
-from models.generate.compact import Rows
+from models.generate import Rows
 from models.mesh import BATCH_AXES, make_mesh, present
-from train import rollout, state
-from train.cli import load_config
-from train.placement import Placement
+from train.config.cli import load_config
+from train.rl import rollout, state
+from train.rl.placement import Placement
 
 GIB = 2 ** 30
 
@@ -76,7 +76,7 @@ def measure(config: str, preset: str, topology: str, mesh_sizes: dict[str, int] 
         model_cfg = model_cfg.replace(num_hidden_layers=layers)
     if dispatch:
         model_cfg = model_cfg.replace(expert_dispatch=dispatch)
-    devices = jax.devices() if topology == "cpu" else _topology_devices(topology)
+    devices = jax.devices() if topology == "cpu" else topology_devices(topology)
     sizes = mesh_sizes or {a: cfg.mesh[a] for a in ("data", "fsdp", "expert", "context",
                                                     "tensor") if a in cfg.mesh}
     mesh = make_mesh(sizes, devices=devices)
@@ -103,14 +103,14 @@ def measure(config: str, preset: str, topology: str, mesh_sizes: dict[str, int] 
     out = []
     kv_heads, head_dim = model_cfg.num_key_value_heads, model_cfg.head_dim
     with jax.set_mesh(mesh):
-        ref = gen._fn(False).lower(params, ints(prompts, width), ints(prompts),
+        ref = gen.compiled(False).lower(params, ints(prompts, width), ints(prompts),
                                    ints(rows), ints(rows), ints(rows), ints(rows),
                                    ints(sharding=rep), key, temp, trunc)
         out.append(("reference: whole decode", rows // n * (width + steps), *_memory(ref)))
         compact = rollout.Generator(mdef, max_new_tokens=steps, stop_ids=(0,),
                                     num_valid=vocab, placement=placement,
                                     page_size=r.page_size, decode_chunk=r.decode_chunk,
-                                    max_decode_rows=r.max_decode_rows)._fn(False)
+                                    max_decode_rows=r.max_decode_rows).compiled(False)
         size, chunk = r.page_size, r.decode_chunk
         per = rows // n  # rows per shard; its prompts: per / G (at least one)
         local_prompts = max(1, -(-per // group))
@@ -128,14 +128,14 @@ def measure(config: str, preset: str, topology: str, mesh_sizes: dict[str, int] 
                                                              jnp.float32, jnp.float32))
         record = (*record, ints(rows), ints(rows, dtype=jnp.bool_))
         fields = [ints(rows)] * 7 + [ints(rows, dtype=jnp.bool_)] * 2
-        pre = compact._fn("prefill", rows).lower(
+        pre = compact.compiled("prefill", rows).lower(
             params, pools(pages_of["start"]), ints(n * local_prompts, width),
             ints(n * local_prompts), ints(n * prompt_pages), ints(n * prompt_pages),
             ints(rows), ints(rows), ints(rows), ints(rows), ints(rows), key, temp, trunc)
         out.append(("compact: prefill", pages_of["start"] * size, *_memory(pre)))
         table = -(-(width + steps) // size)
         for name in ("T/4 written", "T written"):
-            fn = compact._fn("chunk", (rows, True))
+            fn = compact.compiled("chunk", (rows, True))
             low = fn.lower(params, pools(pages_of[name]), Rows(*fields),
                            ints(rows, table), record, key, ints(sharding=rep),
                            ints(sharding=rep), temp, trunc)

@@ -72,9 +72,9 @@ What differs between the rows (everything else is the workload above):
 def workload(iterations: int, rounds: int) -> dict:
     """The prompts (ids, text) and shared settings every row reads."""
     from configs import grpo_tiny
-    from train.data import Tasks
-    from train.setup import task_specs
-    from train.tokenizer import load_tokenizer
+    from train.data.tasks import Tasks
+    from train.data.tokenizer import load_tokenizer
+    from train.run.setup import task_specs
 
     cfg = grpo_tiny.get_config()
     tok = load_tokenizer(cfg.tokenizer)

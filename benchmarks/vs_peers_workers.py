@@ -145,8 +145,8 @@ def run_tunix(w: dict, iterations: int, drop_in: bool) -> None:
 
 def run_trainer(w: dict, iterations: int) -> None:
     from configs import grpo_tiny
-    from train import experience, grpo, setup
-    from train.loop import Loop
+    from train.run import experience, grpo_stage, setup
+    from train.run.loop import Loop
 
     cfg = grpo_tiny.get_config()
     cfg.workdir = tempfile.mkdtemp(prefix="vs_peers_")
@@ -162,9 +162,9 @@ def run_trainer(w: dict, iterations: int) -> None:
     cfg.train.steps = iterations + 1
     cfg.eval.size = 16
     s = setup.build(cfg)
-    loop = Loop(cfg, s, grpo.stage(cfg))
-    gen = experience.generator(cfg, s, experience.truncation(cfg))
-    it = grpo.GRPOIteration(cfg, s, loop, gen, ref_params=None)
+    loop = Loop(cfg, s, grpo_stage.stage(cfg))
+    gen = experience.generator(s)
+    it = grpo_stage.GRPOIteration(cfg, s, loop, gen, ref_params=None)
     params = s.placement.init_params(cfg.seed)
     it.ref_params = jax.tree.map(lambda x: x.copy(), params)
     opt_state = loop.tx.init(params)

@@ -1,7 +1,7 @@
 """Trainer configs (ml_collections), one module per run, each with ``get_config()``, as in
 the Flax examples: ``python -m train.grpo --config=configs/grpo_tiny.py``.
 
-Every key and its default is in ``train/config.py`` (``base_config()``); a config changes
+Every key and its default is in ``train/run/schema.py`` (``base_config()``); a config changes
 what its run needs, and may start from another config (``from configs import grpo_tiny``).
 ``python -m train.grpo --config=configs/x.py --print_config`` shows the resolved values.
 

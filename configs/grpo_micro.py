@@ -1,7 +1,7 @@
 """A micro config for tests: a 1-layer width-32 model on the real Qwen vocabulary, a few
 SFT and GRPO steps, a small eval set. Runs in well under a minute on 2 CPU cores."""
 
-from train.config import base_config
+from train.run.schema import base_config
 
 
 def get_config():

@@ -8,7 +8,7 @@ The tokenizer is the checkpoint's own ``tokenizer.json`` (same directory unless
 state; the head accumulates in float32 (jaxhead).
 """
 
-from train.config import base_config
+from train.run.schema import base_config
 
 
 def get_config():

@@ -7,7 +7,7 @@ right only a few times in ten. Sized for 2 CPU cores and <= 15 minutes.
     python -m train.grpo --config=configs/grpo_tiny.py
 """
 
-from train.config import base_config
+from train.run.schema import base_config
 
 
 def get_config():

@@ -5,8 +5,8 @@ Run with 8 CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count=8``):
 prints the errors over seeds that the test's bounds come from. Each architecture the presets train (dense with a tied head as Qwen3-0.6B, dense
 untied, the MoE as Qwen3-30B-A3B) is built at tiny size with the presets' settings:
 bfloat16 compute, float32 parameters, scanned layers, remat. The step is the trainer's GRPO
-objective (``train.steps.grpo_loss_fn``: clipped surrogate, k3 KL, entropy bonus, the MoE's
-load-balancing loss) and its gradient, compiled by ``train.placement.Placement`` on an
+objective (``train.rl.steps.grpo_loss_fn``: clipped surrogate, k3 KL, entropy bonus, the MoE's
+load-balancing loss) and its gradient, compiled by ``train.rl.placement.Placement`` on an
 8-device mesh; the reference is the same parameters and batch in float32 compute, one
 device, plain ``jax.jit``.
 
@@ -42,10 +42,10 @@ ANSWER, STOP = [301, 7, 302], 2  # the answer tag in every completion, the stop 
 
 
 def batch(seed: int, sequences: int = 32, row_len: int = 96, rows: int = 24):
-    """A packed GRPO batch (``train.packing.pack``) of templated sequences with the old
+    """A packed GRPO batch (``train.rl.packing.pack``) of templated sequences with the old
     log-probs and advantages the loss reads; ``rows`` leaves whole padding rows. About
     half of the real tokens are id 7."""
-    from train.packing import pack
+    from train.rl.packing import pack
 
     rng = np.random.default_rng(seed)
     prompts = [TEMPLATE + rng.integers(20, 500, rng.integers(3, 9)).tolist()
@@ -65,8 +65,8 @@ def batch(seed: int, sequences: int = 32, row_len: int = 96, rows: int = 24):
 def _loss_and_grads(cfg, params, packed, mesh_sizes):
     """``(loss, grads, stats)`` of the trainer's GRPO objective under ``cfg`` on
     ``mesh_sizes`` (None: one device, plain ``jax.jit``)."""
-    from train import rl_loss, state, steps
-    from train.placement import Placement, place_batch
+    from train.rl import rl_loss, state, steps
+    from train.rl.placement import Placement, place_batch
 
     mdef = state.ModelDef.of(cfg)
     lcfg = rl_loss.LossConfig(eps_low=0.2, eps_high=0.28, beta=0.04, kl_estimator="k3",
@@ -144,7 +144,7 @@ def fidelity_case(name: str, seed: int = 0, mesh: dict | None = None,
 def _params(cfg, seed):
     """Random float32 parameters: norm scales ``1 + 0.2 N(0, 1)``, every other weight
     ``0.1 N(0, 1)`` (logits spread over a few nats, routers far from uniform)."""
-    from train import state
+    from train.rl import state
 
     rng = np.random.default_rng(seed)
     for key, shape in state.ModelDef.of(cfg).abstract_params().items():

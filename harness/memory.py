@@ -5,11 +5,11 @@ Nothing is allocated: the step is lowered on abstract shapes (``jax.ShapeDtypeSt
 for a mesh of fake CPU devices, or of a TPU slice's devices (``topology``: the real TPU
 compiler, needs ``libtpu``), and compiled; ``Compiled.memory_analysis()`` then gives the
 per-device sizes of XLA's buffer assignment. The step is the trainer's own
-(``train.steps.grpo_step`` under a ``train.placement.Placement``): decoder forward
+(``train.rl.steps.grpo_step`` under a ``train.rl.placement.Placement``): decoder forward
 (expert-parallel MoE), the head per token shard on the kept tokens (with entropy), the
 clipped GRPO loss plus the load-balancing loss, backward, the optimizer update,
 parameters and optimizer state donated. The model's compute and parameter dtypes, the
-optimizer (``train.optim.make_optimizer``: global-norm clipping then AdamW, its moments in
+optimizer (``train.rl.optim.make_optimizer``: global-norm clipping then AdamW, its moments in
 the parameters' dtype) and the loss settings are those of a shipped trainer config
 (``shipped``; ``configs/grpo_qwen3_30b_a3b.py`` by default): what the tables measure is
 what the config trains.
@@ -43,16 +43,16 @@ CONFIG = "grpo_qwen3_30b_a3b"
 def shipped(config: str = CONFIG) -> dict:
     """The settings of ``configs/<config>.py`` a train step's memory depends on: ``dtype``
     and ``param_dtype`` (the model's), ``tx`` (its GRPO stage's optimizer) and ``loss``
-    (``train.rl_loss.LossConfig``).
+    (``train.rl.rl_loss.LossConfig``).
 
     Raises:
       FileNotFoundError: no such config file (named).
     """
     from pathlib import Path
 
-    from train import updates
-    from train.cli import load_config
-    from train.optim import make_optimizer
+    from train.config.cli import load_config
+    from train.rl import updates
+    from train.rl.optim import make_optimizer
 
     path = Path(__file__).resolve().parents[1] / "configs" / f"{config}.py"
     if not path.is_file():
@@ -61,7 +61,7 @@ def shipped(config: str = CONFIG) -> dict:
     t = cfg.train
     tx, _ = make_optimizer(t.optim, t.steps, t.updates_per_batch * t.mini_batches)
     return {"dtype": cfg.model.dtype, "param_dtype": cfg.model.param_dtype, "tx": tx,
-            "loss": updates.loss_config(cfg)}
+            "loss": updates.loss_config(cfg.loss, cfg.rollout.max_new_tokens)}
 
 
 def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, keep: float,
@@ -69,7 +69,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
             topology: str | None = None, scan: bool = True, dispatch: str = "dense",
             capacity_factor: float | None = None, moe_token_chunk: int | None = None,
             config: str = CONFIG, numerics: str = "default") -> dict:
-    """Compile the trainer's GRPO step (``train.steps.grpo_step``: its loss, its head on the
+    """Compile the trainer's GRPO step (``train.rl.steps.grpo_step``: its loss, its head on the
     kept tokens, its placement) for ``mesh_sizes`` on abstract shapes; per-device GiB and
     the lower + compile seconds.
 
@@ -101,8 +101,8 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
     import jaxhead
     from models import context, get_config
     from models.mesh import make_mesh
-    from train import state, steps
-    from train.placement import Placement
+    from train.rl import state, steps
+    from train.rl.placement import Placement
 
     settings = shipped(config)
     cfg = get_config(preset, dtype=settings["dtype"], param_dtype=settings["param_dtype"],
@@ -111,7 +111,7 @@ def measure(preset: str, mesh_sizes: dict[str, int], *, batch: int, seq: int, ke
                       expert_capacity_factor=capacity_factor, moe_token_chunk=moe_token_chunk)
     if layers:
         cfg = cfg.replace(num_hidden_layers=layers)
-    devices = jax.devices() if topology is None else _topology_devices(topology)
+    devices = jax.devices() if topology is None else topology_devices(topology)
     mesh = make_mesh(mesh_sizes, devices=devices[: math.prod(mesh_sizes.values())])
     mdef = state.ModelDef.of(cfg)
     placement = Placement(mesh, mdef)
@@ -278,7 +278,7 @@ def _buffer_assignment(dump_dir: str) -> str:
         return f.read()
 
 
-def _topology_devices(name: str):
+def topology_devices(name: str):
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # libtpu's machine-wide lock
     from jax.experimental import topologies
 

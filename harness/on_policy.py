@@ -10,7 +10,7 @@ The workload: a freshly initialised preset (``models.PRESETS``) untied, in ``dty
 compute (parameters float32), ``prompts`` random prompts of 8-40 tokens, ``group``
 samples each, ``new_tokens`` tokens each (no stop token), the ``compact`` engine at
 temperature 1 (pages of 16 tokens), recording each token's experts for an MoE model as the
-trainer's rollouts do (``train.experience.generator``); then ``train.steps.grpo_step``
+trainer's rollouts do (``train.run.experience.generator``); then ``train.rl.steps.grpo_step``
 (forward, backward, AdamW) on the rollout packed into rows of ``row_len`` tokens with the
 sampler's log-probs as the old policy's and, for an MoE model, its routes (the step's
 ``expert_disagreement``; with ``routing_replay`` the forward takes them: R3). The trainer's
@@ -28,18 +28,18 @@ import optax
 from flax import nnx
 
 from models import Transformer, get_config
-from train import packing, rl_loss, rollout, steps
-from train.placement import place_batch
-from train.state import ModelDef, params_of
+from train.rl import packing, rl_loss, rollout, steps
+from train.rl.placement import place_batch
+from train.rl.state import ModelDef, params_of
 
 
 @dataclasses.dataclass
 class Workload:
-    """The calls of one workload: ``sample()`` (a rollout, ``train.rollout.Rollout``) and
+    """The calls of one workload: ``sample()`` (a rollout, ``train.rl.rollout.Rollout``) and
     ``update(routing_replay=False)`` (one GRPO step on ``rollout``: its metrics and the
     trainer's log-probs ``[rows, row_len]``; ``routing_replay``: the step's
     ``routing_replay``, the MoE layers take the rollout's recorded experts); ``packed`` the
-    rollout's ``train.packing.PackedBatch`` (with ``routes`` for an MoE model)."""
+    rollout's ``train.rl.packing.PackedBatch`` (with ``routes`` for an MoE model)."""
 
     sample: object
     update: object

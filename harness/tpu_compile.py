@@ -193,9 +193,9 @@ def kernel_vmem(case: Case, devices) -> tuple[float, float, float]:
             jax.ShapeDtypeStruct(plan.spec.local_weight_shape, dtype),
             jax.ShapeDtypeStruct((padded,), jnp.int32), vec, vec)
     kernels = (
-        (lambda p: lambda *a: pallas_tpu._forward(p, *a), args),
-        (lambda p: lambda *a: pallas_tpu._backward(p, *a)[0], args + (vec,) * 5),
-        (lambda p: lambda *a: pallas_tpu._backward(p, *a)[1], args + (vec,) * 5),
+        (lambda p: lambda *a: pallas_tpu.forward(p, *a), args),
+        (lambda p: lambda *a: pallas_tpu.backward(p, *a)[0], args + (vec,) * 5),
+        (lambda p: lambda *a: pallas_tpu.backward(p, *a)[1], args + (vec,) * 5),
     )
     units = {"": 1, "K": 2**10, "M": MIB, "G": 2**30}
     out = []

@@ -23,12 +23,12 @@ and the parts whose communication matters are written explicitly with ``jax.shar
 (MoE all-to-all in ``models.moe.api``, the head in
 ``jaxhead.sharded_token_logprobs``, given ``BATCH_AXES`` as its token axes). With Explicit
 axes every ambiguous op in the model would need an ``out_sharding``, so every function
-here and in ``models.sharding`` / ``models.moe`` / ``train.placement`` that takes a mesh
+here and in ``models.sharding`` / ``models.moe`` / ``train.rl.placement`` that takes a mesh
 takes one of any axis types (e.g. ``jax.make_mesh``'s default, Explicit) and uses it with
 its axes Auto (``auto_axes``: the same devices and names).
 
 Processes (``jax.distributed``) and placing host batches are the trainer's
-(``train.distributed``, ``train.placement``).
+(``train.run.distributed``, ``train.rl.placement``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ The directory holds ``config.json`` (the model's architecture: ``Qwen3ForCausalL
 the weights as ``model.safetensors`` or shards plus ``model.safetensors.index.json``,
 ``generation_config.json`` (the base checkpoint's stop tokens and the trainer's, the
 rollouts' sampling settings: ``generation_config``) and the tokenizer's files
-(``train.tokenizer.save_tokenizer``: the run's own tokenizer, with a chat template that
+(``train.data.tokenizer.save_tokenizer``: the run's own tokenizer, with a chat template that
 renders the trainer's prompts; a base checkpoint's own template kept beside it). The export
 owns the directory: it is written beside it and moved into place whole
 (``models.save_params``), and a directory holding anything but a previous export is refused
@@ -33,10 +33,12 @@ import numpy as np
 from absl import app, flags, logging
 
 import models
-from train import resume, setup, state
-from train.checkpoint import require_checkpoint
-from train.data import answer_prefix
-from train.tokenizer import load_tokenizer, save_tokenizer
+from train.data.tasks import answer_prefix
+from train.data.tokenizer import load_tokenizer, save_tokenizer
+from train.rl import state
+from train.rl.rollout_settings import RolloutSettings
+from train.run import resume, setup
+from train.run.checkpoint import require_checkpoint
 
 _RUN = flags.DEFINE_string("run", None, "the run directory (its --config.workdir)")
 _OUT = flags.DEFINE_string("out", None, "the Hugging Face directory to write")
@@ -104,26 +106,20 @@ def generation_config(cfg, tokenizer) -> dict:
     bos = ids.get("bos_token_id", tokenizer.bos_id)
     out = {**({} if bos is None else {"bos_token_id": bos}), "eos_token_id": eos,
            "pad_token_id": ids.get("pad_token_id", tokenizer.eos_id)}
-    r = cfg.rollout
-    out["do_sample"] = r.temperature > 0
-    if r.temperature > 0:
-        out.update(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-        if r.min_p > 0:
-            out["min_p"] = r.min_p
-    return out
+    return {**out, **RolloutSettings.from_config(cfg).generation_config()}
 
 
 def save_serving_files(cfg, out) -> list[str]:
     """What a reader needs beside the weights, in the Hugging Face directory ``out``: the
-    tokenizer files with the trainer's chat template (``train.tokenizer.save_tokenizer``:
-    the run's ``data.system_prompt`` and ``train.data.answer_prefix``) and
+    tokenizer files with the trainer's chat template (``train.data.tokenizer.save_tokenizer``:
+    the run's ``data.system_prompt`` and ``train.data.tasks.answer_prefix``) and
     ``generation_config.json`` (``generation_config``).
 
     Returns:
       The names of the files written, relative to ``out``.
 
     Raises:
-      FileNotFoundError / ValueError: as ``train.tokenizer.load_tokenizer`` and
+      FileNotFoundError / ValueError: as ``train.data.tokenizer.load_tokenizer`` and
         ``generation_config``.
     """
     out = Path(out)

@@ -15,11 +15,14 @@ import jax
 import numpy as np
 from absl import app
 
-from train import cli, export, nonfinite, packing, setup, steps
-from train import domains as d
-from train.loop import Loop, Stage
-from train.placement import place_batch
-from train.state import Params
+from train import export
+from train.config import cli
+from train.config import domains as d
+from train.rl import nonfinite, packing, steps
+from train.rl.placement import place_batch
+from train.rl.state import Params
+from train.run import setup
+from train.run.loop import Loop, Stage
 
 
 def stage(cfg, final_params_only: bool = False) -> Stage:

@@ -17,7 +17,7 @@ batched dots about 3x faster than bf16 ones) and the probabilities stay float32.
 
 Three front ends gather the keys of the same positions from where each caller keeps
 them: packed training rows (a sequence's positions ``0, 1, ...`` contiguous from its
-segment's start, as ``train.packing`` and prefill lay them out: ``self_attention``),
+segment's start, as ``train.rl.packing`` and prefill lay them out: ``self_attention``),
 the dense ``KVCache`` whose decode slots follow the right-padded prompt
 (``cache_attention``), and the paged pool (``paged_attention``).
 """

@@ -8,10 +8,10 @@
                   (a static row ladder), waiting rows take their places
   pages.py        ``PageAllocator``: the host's bookkeeping of the page pool
 
-The trainer's use of them (placement, host arrays, ``Rollout``) is ``train.rollout``.
+The trainer's use of them (placement, host arrays, ``Rollout``) is ``train.rl.rollout``.
 """
 
 from models.generate.api import IMPLEMENTATIONS, Decoding, Truncation, Work
-from models.generate.compact import CompactEngine
+from models.generate.compact import CompactEngine, Rows
 
-__all__ = ["IMPLEMENTATIONS", "CompactEngine", "Decoding", "Truncation", "Work"]
+__all__ = ["IMPLEMENTATIONS", "CompactEngine", "Decoding", "Rows", "Truncation", "Work"]

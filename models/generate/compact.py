@@ -297,8 +297,12 @@ class CompactEngine:
         self.pool_pages = 0
         self._fns: dict = {}
 
-    def _fn(self, name: str, static):
-        """The compiled function ``name`` for its static value (rows, or pool pages)."""
+    def compiled(self, name: str, static):
+        """The jitted device step ``name`` for its static value, built once and kept:
+        ``"prefill"`` (static: the rows), ``"chunk"`` (``(rows, lockstep)``: one chunk of
+        decode steps), ``"assemble"`` (None: waiting rows into freed places), ``"grow"``
+        and ``"pool"`` (the pool's pages per shard). Its ``.lower(...)`` gives the
+        program of those arguments (``benchmarks/rollout_memory.py``)."""
         if (name, static) not in self._fns:
             d, merge, kw = self.d, self.merge, {}
             if name == "prefill":
@@ -444,8 +448,8 @@ class CompactEngine:
         alloc = PageAllocator(n)
         pprompts, plens, src, dest, prompt_of, pages, tokens = self._plan_prefill(
             prompts, lens, source, real, per, alloc)
-        pools = self._fn("pool", alloc.size)(params)
-        pools, first, record = self._fn("prefill", num_rows)(
+        pools = self.compiled("pool", alloc.size)(params)
+        pools, first, record = self.compiled("prefill", num_rows)(
             params, pools, pprompts, plens, src, dest, prompt_of, row_ids, request, sample,
             full, key, temperature, trunc)
         done0 = np.asarray(self.read(first.done))
@@ -472,7 +476,7 @@ class CompactEngine:
             need = self._pages_for_chunk(batch, length, plen, full, pages, alloc, chunk)
             if need > alloc.size:
                 grown = self._pool_size(need)
-                pools = self._fn("grow", grown)(pools)
+                pools = self.compiled("grow", grown)(pools)
                 alloc.grow(grown)
                 self._pages_for_chunk(batch, length, plen, full, pages, alloc, chunk)
             fresh = np.zeros(n * rung, bool)
@@ -484,8 +488,8 @@ class CompactEngine:
                     fresh[g], idx[g] = r not in place, place.get(r, r)
                     tables[g, :len(pages[r])] = pages[r]
             place = {r: s * rung + j for s, rs in enumerate(batch) for j, r in enumerate(rs)}
-            rows = self._fn("assemble", None)(rows, first, fresh, idx)
-            pools, rows, record, k = self._fn("chunk", (num_rows, lockstep))(
+            rows = self.compiled("assemble", None)(rows, first, fresh, idx)
+            pools, rows, record, k = self.compiled("chunk", (num_rows, lockstep))(
                 params, pools, rows, tables, record, key, np.int32(start), np.int32(chunk),
                 temperature, trunc)
             got_len, got_done, k = self.read((rows.length, rows.done, k))

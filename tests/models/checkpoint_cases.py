@@ -175,14 +175,14 @@ def single_process_case() -> dict:
 
 def two_process_case() -> dict:
     """One of 2 processes x 2 devices (``TWO_PROCESS_MESH``): the trainer's import
-    (``train.state.load_hf`` into ``Placement.params``) of ``TWO_PROCESS_CHECKPOINT``.
+    (``train.rl.state.load_hf`` into ``Placement.params``) of ``TWO_PROCESS_CHECKPOINT``.
     Returns whether this process's shards equal the whole-file load (on its own first
     device), the bytes it read against its distinct shards' and the whole files', and the
     file slices it requested of the embedding and the (transposed) LM head with the
     slices its devices hold."""
-    from train import state
-    from train.distributed import initialize_distributed
-    from train.placement import Placement
+    from train.rl import state
+    from train.rl.placement import Placement
+    from train.run.distributed import initialize_distributed
 
     initialize_distributed()
     path = Path(os.environ["CHECKPOINTS"]) / TWO_PROCESS_CHECKPOINT

@@ -42,12 +42,12 @@ def moe_case() -> dict:
 
 
 def decode_case() -> dict:
-    """Greedy and sampled rollouts of the tiny MoE (``train.rollout.Generator``) under a
+    """Greedy and sampled rollouts of the tiny MoE (``train.rl.rollout.Generator``) under a
     context=4 x expert=2 mesh vs one device: decoding splits rows only, the context
     devices repeat the work."""
     from models.mesh import make_mesh
     from tests.train.rollout_cases import _policy, _rollouts
-    from train.placement import Placement
+    from train.rl.placement import Placement
 
     mdef, params = _policy()
     placement = Placement(make_mesh(MOE_MESHES["context4_expert2"]), mdef)

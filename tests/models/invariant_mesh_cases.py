@@ -21,7 +21,7 @@ from tests.models import test_invariant_numerics as inv
 from tests.models.kv_replication_cases import relative
 from tests.models.padding_cases import packed_batch, step_outputs
 from tests.support.models import random_model
-from train.placement import Placement
+from train.rl.placement import Placement
 
 #: The rows over data x fsdp x expert (a dense model: expert is one more batch axis).
 FSDP_EXPERT = {"data": 2, "fsdp": 2, "expert": 2}
@@ -58,7 +58,7 @@ def _compare(dtype, engine, temperature, mesh, truncation=None, preset="tiny") -
 
 
 def _context_step() -> dict:
-    """The trainer's GRPO step (``train.steps.grpo_loss_fn``, float32) on a packed batch on
+    """The trainer's GRPO step (``train.rl.steps.grpo_loss_fn``, float32) on a packed batch on
     the ``CONTEXT`` mesh vs one device: whether the log-probs are the same bits, and the
     relative error of the loss and of each gradient (the invariant attention's backward
     through the all-gather over context)."""

@@ -15,8 +15,8 @@ from models import get_config, jit_sharded, state_shardings
 from models.mesh import batch_sharding, make_mesh
 from tests.models.padding_cases import packed_batch, pad, step_outputs
 from tests.support.models import random_model
-from train import state
-from train.placement import Placement
+from train.rl import state
+from train.rl.placement import Placement
 
 #: 8 query heads on 2 KV heads: tensor=4 and tensor=8 are both wider than the KV heads.
 HEADS = {"num_attention_heads": 8, "num_key_value_heads": 2}
@@ -37,7 +37,7 @@ def relative(a, b) -> float:
 
 
 def grpo_case(preset: str = "tiny", meshes: dict = MESHES, row_len: int = 16) -> dict:
-    """The trainer's GRPO step (``train.steps.grpo_loss_fn``) of the random ``preset``
+    """The trainer's GRPO step (``train.rl.steps.grpo_loss_fn``) of the random ``preset``
     (float32) on a packed batch (several sequences per row, tail padding, two padding
     rows), on each of ``meshes`` vs one device: the relative error of the loss, of the
     log-probs and entropy on the kept tokens and of every parameter's gradient; the
@@ -71,7 +71,7 @@ def _key(params: dict, name: str) -> str:
 
 
 def decode_case() -> dict:
-    """Greedy and sampled rollouts (``train.rollout.Generator``, KV cache split over the
+    """Greedy and sampled rollouts (``train.rl.rollout.Generator``, KV cache split over the
     batch axes) of the random ``tiny`` with ``HEADS`` on fsdp=2 x tensor=4 vs one device."""
     from tests.train.rollout_cases import _rollouts
 

@@ -18,15 +18,15 @@ from harness.oracle import max_abs
 from models import get_config
 from models.mesh import make_mesh
 from tests.support.models import random_model
-from train import packing, rl_loss, state, steps
-from train.placement import Placement, place_batch
+from train.rl import packing, rl_loss, state, steps
+from train.rl.placement import Placement, place_batch
 
 #: The GRPO loss of the check: every term that reads the log-probs, the entropy or the
 #: router (clipped surrogate, k3 KL to a reference, entropy bonus, the MoE aux loss).
 LOSS = rl_loss.LossConfig(eps_low=0.2, eps_high=0.28, beta=0.04, kl_estimator="k3",
                           entropy_coef=0.01, aggregation="seq-mean-token-mean",
                           max_completion_len=12)
-#: Padding values of each per-token array (``train.packing``: token 0, segment 0, ...).
+#: Padding values of each per-token array (``train.rl.packing``: token 0, segment 0, ...).
 FILL = {"labels": -100, "seq_index": -1}
 
 
@@ -64,7 +64,7 @@ def variants(arrays: dict) -> dict:
 def step_outputs(mdef, params, arrays, num_seqs, bucket, placement=None) -> dict:
     """Loss, gradients, the ``[R, L]`` log-probs and entropy and, for an MoE model, the
     dropped fraction (``"dropped"``, a metric of the step) of the trainer's GRPO step
-    (``train.steps.grpo_loss_fn``) on ``arrays``: plain ``jax.jit`` on one device, or
+    (``train.rl.steps.grpo_loss_fn``) on ``arrays``: plain ``jax.jit`` on one device, or
     compiled by ``placement`` on its mesh with the parameters in its shardings."""
     loss_fn = steps.grpo_loss_fn(mdef, LOSS, 1.0, skip=True)
 

@@ -24,8 +24,8 @@ from models.mesh import AXES, BATCH_AXES, batch_sharding, make_mesh, present
 from models.moe.api import routed_experts, tokens_per_dispatch
 from models.moe.reference import dropless_experts
 from tests.support.models import random_model
-from train.distributed import initialize_distributed
-from train.placement import place_batch
+from train.rl.placement import place_batch
+from train.run.distributed import initialize_distributed
 
 MOE_MESH = {"data": 2, "expert": 4}
 

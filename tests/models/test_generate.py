@@ -1,4 +1,4 @@
-"""The rollout engines (``models.generate``, driven by ``train.rollout.Generator``): the
+"""The rollout engines (``models.generate``, driven by ``train.rl.rollout.Generator``): the
 ``compact`` engine draws the ``reference`` engine's tokens for the same key (G > 1, uneven
 prompt lengths, per-row budgets, stop tokens, untruncated / truncated / greedy), and does
 the work it should: each prompt prefilled once, decode row-steps that follow the rows'
@@ -18,7 +18,7 @@ import jaxhead
 from models import get_config
 from models.generate.compact import next_chunk
 from tests.support.models import random_model
-from train import rollout, state
+from train.rl import rollout, state
 
 T, G, CHUNK, MULTIPLE, GROWTH, PAGE = 12, 3, 3, 4, 1.5, 4
 #: engine name -> (``Generator`` engine, its paging arguments)

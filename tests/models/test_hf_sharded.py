@@ -3,7 +3,7 @@ only the file slices its devices hold, and the arrays equal the whole-file load 
 (8 devices in one process: MoE and dense, unrolled and stacked layers, the MoE's experts
 also fused as transformers 5 holds them, default and odd rules, float32 and bfloat16
 parameters; 2 processes x 2 devices through the trainer's
-``train.state.load_hf``). The export back from those 2 processes (``models.save_params``):
+``train.rl.state.load_hf``). The export back from those 2 processes (``models.save_params``):
 each writes its own shards, moving one layer at a time, and the files equal the original
 ones."""
 

@@ -35,7 +35,7 @@ from tests.models.test_invariant_numerics import (
     _trainer_logprobs,
 )
 from tests.support.models import random_model
-from train import packing
+from train.rl import packing
 
 MOE = "tiny-moe"
 

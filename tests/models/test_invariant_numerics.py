@@ -28,8 +28,8 @@ from models.invariant import ROW_TILE, UNROLL, check_mesh, row_tiled
 from models.transformer import check_ops
 from tests.models.test_attention import packed
 from tests.support.models import random_model
-from train import packing, rollout, state
-from train.placement import place_batch
+from train.rl import packing, rollout, state
+from train.rl.placement import place_batch
 
 T, G, PAGE = 8, 2, 4
 KB = inv_attention.KEY_BLOCK

@@ -1,5 +1,5 @@
 """``numerics="invariant"`` through the GRPO step's own forward (``harness.on_policy``:
-``train.steps.grpo_step`` with ``return_logp``, the forward of its value-and-grad): the
+``train.rl.steps.grpo_step`` with ``return_logp``, the forward of its value-and-grad): the
 sampler's log-probs equal the step's bit for bit (``np.array_equal``, issue #41's
 acceptance), under the presets' training settings (layers stacked and run by
 ``jax.lax.scan``, ``scan_layers``, and rematerialised in the backward pass, ``remat``,

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from tests.support import ROOT
-from train.cli import load_config
+from train.config.cli import load_config
 
 
 def test_memory_benchmark_tiny():

@@ -1,4 +1,4 @@
-"""Requests are independent in both rollout engines (``train.rollout.Generator`` over
+"""Requests are independent in both rollout engines (``train.rl.rollout.Generator`` over
 ``models.generate``):
 
 * **keyed by request**: a request's noise depends on the key, its request id and its
@@ -23,7 +23,7 @@ import pytest
 
 from models import get_config
 from tests.support.models import random_model
-from train import rollout, state
+from train.rl import rollout, state
 
 T, G, PAGE = 10, 2, 4
 STOPS = tuple(range(0, 500, 16))

@@ -23,7 +23,7 @@ from flax import nnx
 from models import get_config
 from models.moe.layer import MoE, replay_route, route
 from tests.support.models import random_model
-from train import packing, rollout, state
+from train.rl import packing, rollout, state
 
 T, G, PAGE = 8, 3, 4
 STOPS = tuple(range(0, 500, 16))

@@ -85,7 +85,7 @@ def run_multiprocess(case: str, processes: int, devices_per_process: int,
                      timeout: float = 600, **env: str) -> list[dict]:
     """Run ``case`` in ``processes`` processes joined by ``jax.distributed`` on localhost
     (``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``, read by
-    ``train.distributed.initialize_distributed``; ``env``: more variables for all of them);
+    ``train.run.distributed.initialize_distributed``; ``env``: more variables for all of them);
     returns each process's dict, in order."""
     address = f"127.0.0.1:{free_port()}"
     procs = [

@@ -1,5 +1,5 @@
-"""Multi-device cases of the sharded rollouts (``train.rollout.Generator`` under a
-``train.placement.Placement``), run by ``tests.support.multidevice`` in subprocesses with
+"""Multi-device cases of the sharded rollouts (``train.rl.rollout.Generator`` under a
+``train.rl.placement.Placement``), run by ``tests.support.multidevice`` in subprocesses with
 several CPU devices (``tests/train/test_sharded_rollout.py``)."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import numpy as np
 from models import get_config
 from models.mesh import make_mesh
 from tests.support.models import random_model
-from train import rollout, state
-from train.distributed import initialize_distributed
-from train.placement import Placement
+from train.rl import rollout, state
+from train.rl.placement import Placement
+from train.run.distributed import initialize_distributed
 
 #: The mesh of the multi-process case: 4 devices, the batch over fsdp x expert.
 ROLLOUT_MESH = {"fsdp": 2, "expert": 2}

@@ -11,8 +11,8 @@ from models import get_config
 from models.generate import IMPLEMENTATIONS
 from models.mesh import make_mesh
 from tests.support.models import random_model
-from train import rl_loss, rollout, state, steps, updates
-from train.placement import Placement, place_batch
+from train.rl import rl_loss, rollout, state, steps, updates
+from train.rl.placement import Placement, place_batch
 
 MESH = {"fsdp": 2, "expert": 2}
 G, T = 2, 8

@@ -15,16 +15,16 @@ from tests.support.models import random_model
 
 
 def grpo_step_case() -> dict:
-    """``train.steps.grpo_step`` (reference forward, clipped surrogate, KL, entropy, MoE aux
-    loss, Adam) on the tiny MoE: on one device vs placed by ``train.placement.Placement``
+    """``train.rl.steps.grpo_step`` (reference forward, clipped surrogate, KL, entropy, MoE aux
+    loss, Adam) on the tiny MoE: on one device vs placed by ``train.rl.placement.Placement``
     on data=2 x expert=4 (expert-parallel MoE, sharded head, sharded Adam moments), on one
     batch and on two micro-batches (gradient accumulation). Adam runs with ``eps=1`` so
     that an update is a smooth function of its gradient."""
     import optax
 
-    from train import rl_loss, state, steps
-    from train.packing import pack
-    from train.placement import Placement, place_batch
+    from train.rl import rl_loss, state, steps
+    from train.rl.packing import pack
+    from train.rl.placement import Placement, place_batch
 
     model = random_model(get_config("tiny-moe", dtype="float32"), seed=3)
     mdef, params = state.ModelDef.of(model.cfg), jax.device_get(state.params_of(model))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train import rl_loss
+from train.rl import rl_loss
 
 VARIANTS = {
     "token": rl_loss.LossConfig(eps_low=0.2, eps_high=0.28),

@@ -1,4 +1,4 @@
-"""``train.checkpoint``: opening a directory leaves nothing running behind it, a writer
+"""``train.run.checkpoint``: opening a directory leaves nothing running behind it, a writer
 removes unfinished temporaries before it returns, and a read-only view changes nothing.
 
 The reported case: ``python -m train.grpo`` on a finished params-only stage asked for more
@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tests.support import ROOT
-from train.checkpoint import Checkpointer, check_resumable, require_checkpoint
+from train.run.checkpoint import Checkpointer, check_resumable, require_checkpoint
 
 TMP = "3.orbax-checkpoint-tmp-1796531869"  # a step orbax began and never renamed
 
@@ -68,7 +68,7 @@ def test_a_process_that_exits_right_after_opening_prints_nothing(tmp_path, opene
              "require_checkpoint": f"require_checkpoint({str(tmp_path)!r}).close()",
              "writer": f"Checkpointer({str(tmp_path)!r}, 1, 2).close()"}
     script = textwrap.dedent(f"""
-        from train.checkpoint import Checkpointer, check_resumable, require_checkpoint
+        from train.run.checkpoint import Checkpointer, check_resumable, require_checkpoint
         {calls[opener]}
     """)
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,

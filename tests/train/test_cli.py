@@ -10,7 +10,7 @@ import pytest
 
 from models import DEFAULT_RULES
 from tests.support import ROOT
-from train.cli import leaf_keys, load_config, resolved
+from train.config.cli import leaf_keys, load_config, resolved
 
 MICRO = "configs/grpo_micro.py"
 

@@ -13,7 +13,7 @@ from ml_collections import ConfigDict
 
 from models import DEFAULT_RULES
 from tests.support import ROOT
-from train.cli import leaf_keys, load_config
+from train.config.cli import leaf_keys, load_config
 
 MICRO = str(ROOT / "configs" / "grpo_micro.py")
 CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.py") if p.name != "__init__.py")

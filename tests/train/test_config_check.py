@@ -14,9 +14,12 @@ import numpy as np
 import pytest
 
 from tests.support import ROOT
-from train import config, experience, optim, resume, rl_loss, setup, updates
-from train.cli import load_config
-from train.domains import keys
+from train.config.cli import load_config
+from train.config.domains import keys
+from train.rl import optim, rl_loss, updates
+from train.rl.rollout_settings import RolloutSettings
+from train.run import experience, resume, setup
+from train.run import schema as config
 
 MICRO = str(ROOT / "configs" / "grpo_micro.py")
 OPTIM_BAD = {"lr": 0.0, "warmup_steps": -1, "decay": "exponential", "end_lr_ratio": 1.5,
@@ -163,7 +166,7 @@ def test_a_key_no_schema_declares_is_reported(tmp_path, capsys):
     cfg.unlock()
     cfg.train.optim.lrr = 1e-3  # a config file's typo
     assert config.check(cfg) == [
-        "train.optim.lrr: not a config key (train/config.py declares every key)"]
+        "train.optim.lrr: not a config key (train/run/schema.py declares every key)"]
 
 
 def test_every_bad_key_at_once_from_the_command_line(tmp_path):
@@ -251,19 +254,20 @@ def _module_error(call) -> str:
     ("loss.old_logprobs", "reference", lambda cfg: updates.Schedule.from_config(cfg)),
     ("train.mini_batches", 3, lambda cfg: updates.Schedule.from_config(cfg)),
     ("train.micro_batches", 0, lambda cfg: updates.Schedule.from_config(cfg)),
-    ("loss.logprob_support", "top_p", lambda cfg: experience.scored_on_sampler_support(cfg)),
+    ("loss.logprob_support", "top_p", lambda cfg: experience.scored_on_sampler_support(
+        cfg, RolloutSettings.from_config(cfg))),
     ("loss.negative_weight", 1.5, lambda cfg: rl_loss.group_advantages(
         np.ones((2, 2)), negative_weight=cfg.loss.negative_weight)),
-    ("loss.clip_ratio_c", 0.9, lambda cfg: updates.loss_config(cfg)),
+    ("loss.clip_ratio_c", 0.9, lambda cfg: updates.loss_config(cfg.loss, 8)),
     ("loss.aggregation", "sum", lambda cfg: rl_loss.aggregate(
         jnp.ones((1, 2)), jnp.ones((1, 2)), jnp.zeros((1, 2), int), 1, cfg.loss.aggregation,
         1)),
     ("sft.optim.decay", "exponential", lambda cfg: optim.schedule(cfg.sft.optim, 10)),
-    ("rollout.top_p", 0.0, lambda cfg: experience.truncation(cfg).check()),
+    ("rollout.top_p", 0.0, lambda cfg: RolloutSettings.from_config(cfg)),
 ])
 def test_the_module_raises_the_config_checks_line(key, value, call):
     """A value a module rejects is rejected in the config check's words: both come from
-    the rule's one statement (``train.domains``)."""
+    the rule's one statement (``train.config.domains``)."""
     cfg = config.base_config()
     _set(cfg, key, value)
     line = config.check(cfg)

@@ -1,4 +1,4 @@
-"""train.data / train.tokenizer / train.metrics: held-out eval set, bad input, rewards,
+"""train.data.tasks / train.data.tokenizer / train.run.metrics: held-out eval set, bad input, rewards,
 resume-safe metrics files."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from train import data
-from train.metrics import MetricsWriter
-from train.tokenizer import LLAMA3_SPECIALS, hf_tokenizer, qwen_bpe
+from train.data import tasks as data
+from train.data.tokenizer import LLAMA3_SPECIALS, hf_tokenizer, qwen_bpe
+from train.run.metrics import MetricsWriter
 
 SPEC = {"chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}}
 
@@ -217,9 +217,9 @@ def test_sft_stage_draws_its_own_problems(tmp_path):
     main job (issue 44: the warm start must leave GRPO something to teach). A dataset
     config the task rejects fails in ``setup.build``, naming the task, before any work."""
     from tests.support import ROOT
-    from train import setup
-    from train.cli import load_config
-    from train.data import training_seed
+    from train.config.cli import load_config
+    from train.data.tasks import training_seed
+    from train.run import setup
 
     cfg = load_config(str(ROOT / "configs" / "grpo_micro.py"))
     cfg.workdir, cfg.metrics.tensorboard = str(tmp_path / "run"), False

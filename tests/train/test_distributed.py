@@ -62,11 +62,12 @@ def _train_records(workdir) -> list[dict]:
 def _restore(workdir, step: int):
     """Params and optimiser state of ``<workdir>/grpo`` at ``step`` restored on this
     process's one device (the target shardings of a default mesh)."""
-    from train import setup, state
-    from train.checkpoint import Checkpointer
-    from train.cli import load_config
-    from train.optim import make_optimizer
-    from train.placement import Placement
+    from train.config.cli import load_config
+    from train.rl import state
+    from train.rl.optim import make_optimizer
+    from train.rl.placement import Placement
+    from train.run import setup
+    from train.run.checkpoint import Checkpointer
 
     cfg = load_config(MICRO)
     cfg.model.preset = "tiny-moe"

@@ -143,10 +143,11 @@ def check_export(run, out):
     pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from tests.support.models import causal_inputs, hf_logits
-    from train import resume, setup, state
-    from train.checkpoint import require_checkpoint
-    from train.data import answer_prefix
-    from train.tokenizer import load_tokenizer
+    from train.data.tasks import answer_prefix
+    from train.data.tokenizer import load_tokenizer
+    from train.rl import state
+    from train.run import resume, setup
+    from train.run.checkpoint import require_checkpoint
 
     cfg = resume.saved_config(run)
     mdef = state.ModelDef.of(setup.run_model_config(cfg))
@@ -224,8 +225,8 @@ def test_unknown_config_key_lists_valid_keys(tmp_path, env):
     ({"model.hf_checkpoint": "MISSING"}, "must be '' or an existing directory"),
 ])
 def test_bad_input_exits_with_a_clear_error(tmp_path, capsys, override, message):
-    from train import setup
-    from train.cli import load_config
+    from train.config.cli import load_config
+    from train.run import setup
 
     cfg = load_config(MICRO)
     for key, value in override.items():
@@ -242,13 +243,14 @@ def test_bad_input_exits_with_a_clear_error(tmp_path, capsys, override, message)
 
 def test_hf_checkpoint_is_read_into_the_placement(tmp_path):
     """``model.hf_checkpoint``: ``setup.build`` reads the checkpoint into the placement's
-    shardings (``train.state.load_hf``) and ``initial_params`` starts from exactly it."""
+    shardings (``train.rl.state.load_hf``) and ``initial_params`` starts from exactly it."""
     import numpy as np
 
     from models import save_model
     from tests.support.models import random_model
-    from train import setup, state
-    from train.cli import load_config
+    from train.config.cli import load_config
+    from train.rl import state
+    from train.run import setup
 
     cfg = load_config(MICRO)
     model = random_model(setup.model_config(cfg), seed=2)

@@ -19,9 +19,11 @@ from safetensors import safe_open
 from models import get_config
 from tests.support import ROOT
 from tests.support.models import LLAMA3_ROPE, causal_inputs, hf_logits, random_model
-from train import export, resume, setup, state
-from train.checkpoint import Checkpointer
-from train.config import base_config
+from train import export
+from train.rl import state
+from train.run import resume, setup
+from train.run.checkpoint import Checkpointer
+from train.run.schema import base_config
 
 pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

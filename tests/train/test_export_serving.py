@@ -10,9 +10,10 @@ import re
 import pytest
 
 from tests.support import ROOT
-from train import data, export
-from train.config import base_config
-from train.tokenizer import LLAMA3_SPECIALS, Tokenizer, load_tokenizer, save_tokenizer
+from train import export
+from train.data import tasks as data
+from train.data.tokenizer import LLAMA3_SPECIALS, Tokenizer, load_tokenizer, save_tokenizer
+from train.run.schema import base_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -82,7 +83,8 @@ def test_config_json_holds_the_same_ids_and_a_bad_base_writes_nothing(tmp_path):
     from tokenizers import models as tok_models
 
     from tests.support.models import random_model
-    from train import setup, state
+    from train.rl import state
+    from train.run import setup
 
     words = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|eom|>", "user", "assistant"]
     base = tmp_path / "base"
@@ -291,7 +293,7 @@ def test_exported_chat_template_renders_the_trainers_prompts(tmp_path, bases, qu
 def test_base_templates_are_read_as_transformers_reads_them(tmp_path, bases, layout):
     """``base_chat_templates`` against transformers' own loading, for each place a checkpoint
     keeps its templates; the export writes each unchanged, line ends included."""
-    from train.tokenizer import base_chat_templates
+    from train.data.tokenizer import base_chat_templates
 
     qwen_dir = list(bases)[1]
     base = tmp_path / "base"

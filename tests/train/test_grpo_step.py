@@ -10,9 +10,9 @@ import pytest
 
 from models import get_config
 from tests.support.models import random_model
-from train import packing, rl_loss, rollout, steps
-from train.placement import place_batch
-from train.state import ModelDef, params_of
+from train.rl import packing, rl_loss, rollout, steps
+from train.rl.placement import place_batch
+from train.rl.state import ModelDef, params_of
 
 STOP = 7
 
@@ -85,8 +85,8 @@ def test_skipping_changes_nothing_but_cost(policy, rollout_batch):
 def test_frozen_parameters_stay_fixed(policy, rollout_batch):
     from ml_collections import ConfigDict
 
-    from train.config import base_config
-    from train.optim import frozen_prefixes, make_optimizer
+    from train.rl.optim import frozen_prefixes, make_optimizer
+    from train.run.schema import base_config
 
     mdef, params = policy
     _, packed = rollout_batch

@@ -105,8 +105,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read():
     graph = import_graph()
-    assert {"jaxhead", "models.transformer", "train.grpo", "train.loop"} <= set(graph)
-    assert "train.loop" in graph["train.grpo"] and "models.mesh" in graph["train.placement"]
+    assert {"jaxhead", "models.transformer", "train.grpo", "train.run.loop"} <= set(graph)
+    assert "train.run.loop" in graph["train.grpo"] and "models.mesh" in graph["train.rl.placement"]
 
 
 def test_no_import_cycles():
@@ -365,7 +365,7 @@ def test_every_logger_named_exists(tmp_path):
     assert unknown_loggers(tmp_path) == [("models/config.py", "models")]
 
 
-#: The constructors of ``train.domains`` (a call of one states a rule).
+#: The constructors of ``train.config.domains`` (a call of one states a rule).
 DOMAIN_MAKERS = {"integer", "number", "one_of", "boolean", "string", "names", "pairs",
                  "mapping", "Domain"}
 
@@ -405,7 +405,7 @@ def restated_rules(root, keys: list[str]) -> dict[str, list[str]]:
     * an error a module raises itself that states a rule of a config key (its message
       names the key, as ``section.key`` or by its path from a section, and says "must")
       instead of taking it from the rule's one statement (``Domain.require``,
-      ``domains.enforce``, whose messages ``train/domains.py`` words):
+      ``domains.enforce``, whose messages ``train/config/domains.py`` words):
       ``"<path>:<line>" -> [the key]``.
     """
     names = {".".join(k.split(".")[i:]) for k in keys for i in range(k.count("."))}
@@ -417,7 +417,7 @@ def restated_rules(root, keys: list[str]) -> dict[str, list[str]]:
         rel, source = path.relative_to(root).as_posix(), path.read_text()
         for kind, text in rule_statements(source):
             where.setdefault(f"{kind}: {text}", []).append(rel)
-        if rel == "train/domains.py":
+        if rel == "train/config/domains.py":
             continue
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Raise) and node.exc is not None:
@@ -430,16 +430,18 @@ def restated_rules(root, keys: list[str]) -> dict[str, list[str]]:
 
 
 def _config_keys() -> list[str]:
-    from train import config, domains
+    from train.config import domains
+    from train.run import schema as config
 
     return list(domains.keys(config.schema()))
 
 
 def test_each_rule_is_stated_once():
     """Each config value's rule (its domain, its relation to other keys) is stated in one
-    place, where the value is used or in ``train/domains.py``; ``train/config.py`` and
-    the modules import it (``train.domains`` module docstring)."""
-    from train import config, rl_loss, rollout, updates
+    place, where the value is used or in ``train/config/domains.py``; ``train/run/schema.py`` and
+    the modules import it (``train.config.domains`` module docstring)."""
+    from train.rl import rl_loss, rollout, updates
+    from train.run import schema as config
 
     assert restated_rules(ROOT, _config_keys()) == {}
     schema = config.schema()
@@ -468,20 +470,22 @@ def test_a_restated_rule_is_found(tmp_path):
         assert old in text, (rel, old)
         (tmp_path / rel).write_text(text.replace(old, new, 1))
 
-    edit("train/config.py", 'Key("sampler", rollout.LOGPROB_SUPPORT)',
+    edit("train/run/schema.py", 'Key("sampler", rollout.LOGPROB_SUPPORT)',
          'Key("sampler", d.one_of("sampler", "full"))')
-    edit("train/updates.py", "COUNTS = (", 'OLD_POLICIES = ("trainer", "sampler")\nCOUNTS = (')
-    edit("train/config.py", "Key(1.0, rl_loss.NEGATIVE_WEIGHT)", "Key(1.0, d.number(0, 1))")
-    edit("train/rl_loss.py",
+    edit("train/rl/updates.py", "COUNTS = (", 'OLD_POLICIES = ("trainer", "sampler")\nCOUNTS = (')
+    edit("train/run/schema.py", "Key(1.0, rl_loss.NEGATIVE_WEIGHT)", "Key(1.0, d.number(0, 1))")
+    edit("train/rl/rl_loss.py",
          '    NEGATIVE_WEIGHT.require("loss.negative_weight", negative_weight)\n',
          "    if not 0 <= negative_weight <= 1:\n"
          '        raise ValueError(f"loss.negative_weight must be in [0, 1]: {negative_weight}")\n')
-    edit("train/updates.py", "        d.enforce(cfg, [whole_groups])\n",
+    edit("train/rl/updates.py", "        d.enforce(cfg, [whole_groups])\n",
          "        if cfg.rollout.prompts_per_step % cfg.train.mini_batches:\n"
          '            raise ValueError("train.mini_batches must divide the prompts")\n')
     found = restated_rules(tmp_path, keys)
-    assert found.pop("choices: full, sampler") == ["train/config.py", "train/rollout.py"]
-    assert found.pop("choices: sampler, trainer") == ["train/updates.py"] * 2
-    assert found.pop("number: number(0, 1)") == ["train/config.py", "train/domains.py"]
+    assert sorted(found.pop("choices: full, sampler")) == ["train/rl/rollout.py",
+                                                          "train/run/schema.py"]
+    assert found.pop("choices: sampler, trainer") == ["train/rl/updates.py"] * 2
+    assert sorted(found.pop("number: number(0, 1)")) == ["train/config/domains.py",
+                                                        "train/run/schema.py"]
     assert sorted(found.values()) == [["loss.negative_weight"], ["train.mini_batches"]]
-    assert all(k.startswith(("train/rl_loss.py:", "train/updates.py:")) for k in found)
+    assert all(k.startswith(("train/rl/rl_loss.py:", "train/rl/updates.py:")) for k in found)

@@ -13,9 +13,9 @@ import pytest
 
 from models import get_config
 from tests.support.models import random_model
-from train import packing, rl_loss, steps
-from train.placement import place_batch
-from train.state import ModelDef, params_of
+from train.rl import packing, rl_loss, steps
+from train.rl.placement import place_batch
+from train.rl.state import ModelDef, params_of
 
 
 @pytest.fixture(scope="module")

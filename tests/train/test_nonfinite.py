@@ -1,6 +1,6 @@
 """Nothing non-finite ever reaches the parameters: a NaN log-prob (an invalid label under
 ``jit``), a NaN ratio or a NaN gradient skips the update, leaving the parameters and the
-optimizer state as they were; ``train.nonfinite.Guard`` names each skipped update with its
+optimizer state as they were; ``train.rl.nonfinite.Guard`` names each skipped update with its
 step and cause and stops the run after ``max_nonfinite_updates`` in a row; a non-finite
 reward is an error naming the task and the problem."""
 
@@ -15,10 +15,11 @@ import pytest
 from configs import grpo_micro
 from models import get_config
 from tests.support.models import random_model
-from train import grpo, nonfinite, packing, rl_loss, setup, steps
-from train.loop import Loop
-from train.placement import place_batch
-from train.state import ModelDef, params_of
+from train.rl import nonfinite, packing, rl_loss, steps
+from train.rl.placement import place_batch
+from train.rl.state import ModelDef, params_of
+from train.run import experience, grpo_stage, setup
+from train.run.loop import Loop
 
 
 @pytest.fixture(scope="module")
@@ -116,17 +117,17 @@ def test_the_run_stops_after_the_configured_count_naming_the_cause(run, monkeypa
     the step reports 2 skipped updates and unchanged parameters, with a limit of 2 the
     run stops naming the ratio."""
     cfg, s, params, problems = run
-    real = grpo.rollout_sequences
+    real = grpo_stage.rollout_sequences
 
     def nan_logprobs(*args):
         seqs = real(*args)
         seqs.values["old_logp"] = [np.full_like(v, np.nan) for v in seqs.values["old_logp"]]
         return seqs
 
-    monkeypatch.setattr(grpo, "rollout_sequences", nan_logprobs)
+    monkeypatch.setattr(grpo_stage, "rollout_sequences", nan_logprobs)
     cfg.train.max_nonfinite_updates = 3
-    loop = Loop(cfg, s, grpo.stage(cfg))
-    it = grpo.GRPOIteration(cfg, s, loop, grpo.generator(cfg, s, grpo.truncation(cfg)), None)
+    loop = Loop(cfg, s, grpo_stage.stage(cfg))
+    it = grpo_stage.GRPOIteration(cfg, s, loop, experience.generator(s), None)
     got, _, metrics = it(jax.tree.map(jnp.copy, params), loop.tx.init(params), problems,
                          jax.random.key(0), 1)
     assert metrics()["nonfinite_updates"] == 2

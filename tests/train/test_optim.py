@@ -7,8 +7,8 @@ import itertools
 import jax.numpy as jnp
 import pytest
 
-from train.config import base_config
-from train.optim import frozen_prefixes, lr_multipliers, make_optimizer
+from train.rl.optim import frozen_prefixes, lr_multipliers, make_optimizer
+from train.run.schema import base_config
 
 
 def test_frozen_and_lr_multipliers():
@@ -68,14 +68,14 @@ def test_the_schedule_counts_grpo_steps_not_optimizer_updates(tmp_path):
     import jax
     import numpy as np
 
-    from train import grpo
-    from train.loop import Loop
+    from train.run import grpo_stage
+    from train.run.loop import Loop
 
     cfg = base_config()
     cfg.train.steps, cfg.train.updates_per_batch, cfg.train.mini_batches = 40, 2, 2
     cfg.rollout.prompts_per_step = 4
     o = cfg.train.optim
-    loop = Loop(cfg, types.SimpleNamespace(workdir=tmp_path), grpo.stage(cfg))
+    loop = Loop(cfg, types.SimpleNamespace(workdir=tmp_path), grpo_stage.stage(cfg))
 
     def documented(step: int) -> float:  # linear warm-up from 0, then cosine to the floor
         k = step - 1
@@ -106,7 +106,7 @@ def test_a_skipped_update_shifts_no_rate_and_the_logged_rate_is_the_applied_one(
     the optimizer's count drifts from the training step when an update is skipped): lr
     1e-3, warm-up 3, cosine to 0.1 over 10 steps, a NaN gradient at step 5. optax rightly
     leaves a skipped update's count where it was; on main the schedule followed that
-    count while ``train.loop`` logged ``schedule(step - 1)``: steps 6-10 applied the
+    count while ``train.run.loop`` logged ``schedule(step - 1)``: steps 6-10 applied the
     previous step's rate (step 10: logged 1.45e-4, applied 2.69e-4) and the last step's
     rate was never applied. Now, through ``Loop.run`` with the real non-finite guard,
     every applied update of step ``s`` applies ``schedule(s - 1)`` and the logged ``lr``
@@ -116,8 +116,8 @@ def test_a_skipped_update_shifts_no_rate_and_the_logged_rate_is_the_applied_one(
     import jax
     import numpy as np
 
-    from train import nonfinite
-    from train.loop import Loop, Stage
+    from train.rl import nonfinite
+    from train.run.loop import Loop, Stage
 
     cfg = base_config()
     o = cfg.train.optim
@@ -196,7 +196,7 @@ def test_16_bit_parameters_train_on_float32_masters():
     after, _ = _run_updates(tx, one, grads)
     assert float(after["w"][0]) < 0.995 and float(after["embed"][0]) == 1.0
     # random weights and gradients against the float32 run
-    from train.optim import MastersState
+    from train.rl.optim import MastersState
 
     rng = np.random.default_rng(0)
     shapes = {"w": (16, 8), "norm.scale": (8,), "embed": (4, 8)}
@@ -232,8 +232,8 @@ def test_a_checkpoint_of_another_optimizer_layout_is_named_not_resumed(tmp_path)
     import jax
     import optax
 
-    from train.checkpoint import Checkpointer
-    from train.loop import Loop, Stage
+    from train.run.checkpoint import Checkpointer
+    from train.run.loop import Loop, Stage
 
     cfg = base_config()
     params = {"w": jnp.ones(3)}

@@ -1,11 +1,11 @@
-"""train.packing: rows, segments, positions and next-token alignment of packed batches."""
+"""train.rl.packing: rows, segments, positions and next-token alignment of packed batches."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from train import packing
+from train.rl import packing
 
 
 def test_pack_layout_and_alignment():

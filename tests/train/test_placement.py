@@ -1,4 +1,4 @@
-"""``train.placement`` on this process's one device: parameter shardings from the model's
+"""``train.rl.placement`` on this process's one device: parameter shardings from the model's
 logical axes and the config's rules, optimiser shardings derived from them, batch
 placement and its errors. (The same on 8 devices: ``tests/train/test_sharded_step.py``.)"""
 
@@ -10,10 +10,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from models import get_config, make_mesh
-from train.config import base_config
-from train.optim import make_optimizer
-from train.placement import Placement, place_batch
-from train.state import ModelDef
+from train.rl.optim import make_optimizer
+from train.rl.placement import Placement, place_batch
+from train.rl.state import ModelDef
+from train.run.schema import base_config
 
 
 @pytest.fixture(scope="module")

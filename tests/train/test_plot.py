@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.support import ROOT
-from train import plot
+from train.run import plot
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -47,8 +47,8 @@ def test_curve_shows_held_out_greedy_accuracy_during_grpo(tmp_path):
 
     import numpy as np
 
-    from train.evaluate import EvalResult
-    from train.metrics import MetricsWriter
+    from train.run.evaluate import EvalResult
+    from train.run.metrics import MetricsWriter
 
     rng = np.random.default_rng(0)
     w = MetricsWriter(tmp_path / "metrics.jsonl", tensorboard=False)

@@ -27,13 +27,15 @@ import numpy as np
 import pytest
 
 from tests.support import ROOT
-from train import experience, grpo, rollout, setup
-from train.cli import load_config
-from train.data import Problem
-from train.loop import Loop
-from train.metrics import MetricsWriter
-from train.placement import Placement
-from train.state import ModelDef
+from train.config.cli import load_config
+from train.data.tasks import Problem
+from train.rl import rollout
+from train.rl.placement import Placement
+from train.rl.rollout_settings import RolloutSettings
+from train.rl.state import ModelDef
+from train.run import grpo_stage, setup
+from train.run.loop import Loop
+from train.run.metrics import MetricsWriter
 
 STEPS, P_PER_MINI, G, VOCAB = 3, 2, 4, 512
 SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
@@ -72,7 +74,8 @@ def _setup(cfg, workdir) -> setup.Setup:
     mdef = ModelDef.of(model.replace(remat=True) if cfg.model.remat else model)
     return setup.Setup(Path(workdir), None, None, [], set(), mdef, None,
                        Placement.from_config(cfg, mdef),
-                       MetricsWriter(Path(workdir) / "m.jsonl", enabled=False))
+                       MetricsWriter(Path(workdir) / "m.jsonl", enabled=False),
+                       RolloutSettings.from_config(cfg))
 
 
 @functools.cache
@@ -87,7 +90,7 @@ def _rollouts(name: str):
                         tuple(rng.integers(10, VOCAB, 12).tolist()))
                 for _ in range(cfg.rollout.prompts_per_step)]
     gen = rollout.Generator(s.mdef, max_new_tokens=cfg.rollout.max_new_tokens, stop_ids=(),
-                            num_valid=VOCAB, truncation=experience.truncation(cfg),
+                            num_valid=VOCAB, truncation=RolloutSettings.from_config(cfg).truncation,
                             placement=s.placement)
     prompts = [p.prompt for p in problems for _ in range(G)]
     rollouts = [gen(params0, prompts, jax.random.key(100 + k),
@@ -107,18 +110,18 @@ def train_steps(cfg, workdir, params0, problems, rollouts, rewards):
     dtypes = {k: a.dtype for k, a in s.mdef.abstract_params().items()}
     params0 = {k: v.astype(dtypes[k]) for k, v in params0.items()}
     start = {k: np.asarray(v, np.float64) for k, v in params0.items()}
-    loop = Loop(cfg, s, grpo.stage(cfg))
+    loop = Loop(cfg, s, grpo_stage.stage(cfg))
     drawn, scores = iter(rollouts), iter(rewards)
-    it = grpo.GRPOIteration(cfg, s, loop, lambda *args, **kwargs: next(drawn),
-                            params0 if cfg.loss.beta > 0 else None)
+    it = grpo_stage.GRPOIteration(cfg, s, loop, lambda *args, **kwargs: next(drawn),
+                                  params0 if cfg.loss.beta > 0 else None)
     params = jax.tree.map(jnp.copy, params0)
     opt_state = s.placement.init_opt(loop.tx, params)
-    real_score, grpo.score = grpo.score, lambda *args: next(scores)
+    real_score, grpo_stage.score = grpo_stage.score, lambda *args: next(scores)
     try:
         for step in range(1, STEPS + 1):
             params, opt_state, _ = it(params, opt_state, problems, jax.random.key(step), step)
     finally:
-        grpo.score = real_score
+        grpo_stage.score = real_score
     return start, {k: np.asarray(v, np.float64) for k, v in params.items()}
 
 

@@ -1,4 +1,4 @@
-"""train.rl_loss: advantages, KL estimators, aggregation and the clipped surrogate against
+"""train.rl.rl_loss: advantages, KL estimators, aggregation and the clipped surrogate against
 direct numpy formulas on random data."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train import rl_loss
+from train.rl import rl_loss
 
 
 def test_group_advantages():

@@ -1,4 +1,4 @@
-"""``train.rl_loss`` against Tunix's ``algo_core.grpo_loss_fn`` formulas: the clipped
+"""``train.rl.rl_loss`` against Tunix's ``algo_core.grpo_loss_fn`` formulas: the clipped
 surrogate, dual-clip (``epsilon_c``) and GSPO-token (``loss_algo="gspo-token"``), on the
 same per-token log-probs (Tunix's model forward is replaced by the log-probs themselves,
 so the two losses differ in their formulas only).
@@ -18,7 +18,7 @@ from flax import nnx
 from tunix.rl import algo_core, common
 from tunix.rl.grpo import grpo_learner
 
-from train import rl_loss
+from train.rl import rl_loss
 
 B, T = 6, 9
 AGGREGATIONS = {"token-mean": "token-mean", "seq-mean-token-mean": "sequence-mean-token-mean"}

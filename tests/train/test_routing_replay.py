@@ -25,10 +25,11 @@ from tests.support import ROOT
 from tests.support.models import random_model
 from tests.support.multidevice import run_case
 from tests.support.trainer import train_records
-from train import config, packing, rl_loss, rollout, steps, updates
-from train.cli import load_config
-from train.placement import place_batch
-from train.state import ModelDef, params_of
+from train.config.cli import load_config
+from train.rl import packing, rl_loss, rollout, steps, updates
+from train.rl.placement import place_batch
+from train.rl.state import ModelDef, params_of
+from train.run import schema as config
 
 P, G, T, STOP = 4, 2, 8, 7
 

@@ -1,4 +1,4 @@
-"""Sharded rollouts (``train.rollout.Generator`` under a ``train.placement.Placement``) on
+"""Sharded rollouts (``train.rl.rollout.Generator`` under a ``train.rl.placement.Placement``) on
 the tiny MoE: 2 processes x 2 devices, 1 process x 4 devices (fsdp=2 x expert=2) and one
 device decode the same completions and log-probs for the same keys (6 rows padded to 8;
 the default ``compact`` engine); the compiled ``reference`` decoder on fsdp=2 x expert=4

@@ -13,9 +13,11 @@ import pytest
 import jaxhead
 from configs import grpo_micro
 from models.mesh import make_mesh
-from train import experience, grpo, packing, rl_loss, setup, steps, updates
-from train.loop import Loop
-from train.placement import Placement, place_batch
+from train import grpo
+from train.rl import packing, rl_loss, steps, updates
+from train.rl.placement import Placement, place_batch
+from train.run import experience, grpo_stage, setup
+from train.run.loop import Loop
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def _plain_grpo_step(cfg, s, tx, params, opt_state, problems, key):
     """The GRPO step with one clipped-surrogate update, from its parts: rollout, rewards,
     advantages, one packed batch, the reference's log-probs, one gradient, one Adam step."""
     mdef, t = s.mdef, cfg.rollout.temperature
-    gen = experience.generator(cfg, s, experience.truncation(cfg))
+    gen = experience.generator(s)
     g = cfg.rollout.group_size
     ro = gen(params, [p.prompt for p in problems], key, temperature=t, group_size=g)
     rewards, _ = experience.score(cfg, s, problems, ro)
@@ -58,7 +60,7 @@ def _plain_grpo_step(cfg, s, tx, params, opt_state, problems, key):
     bucket = packed.bucket(cfg.train.bucket_multiple)
     keep = jaxhead.keep_mask(loss_mask=b["loss_mask"], segment_ids=b["segment_ids"],
                              aligned_to="predictions")
-    lcfg = updates.loss_config(cfg)
+    lcfg = updates.loss_config(cfg.loss, cfg.rollout.max_new_tokens)
 
     def head(p):
         return mdef.merge(p).token_logprobs(
@@ -87,12 +89,12 @@ def test_one_update_per_batch_is_the_plain_grpo_step(run):
     """``updates_per_batch=1``, one mini-batch (the defaults): the trainer's step gives the
     parameters of the plain step bit for bit (<= 1e-7 where XLA fuses differently)."""
     cfg, s, params, problems = run
-    loop = Loop(cfg, s, grpo.stage(cfg))
+    loop = Loop(cfg, s, grpo_stage.stage(cfg))
     key = jax.random.key(5)
     want, want_opt = _plain_grpo_step(cfg, s, loop.tx, _copy(params),
                                       loop.tx.init(params), problems, key)
-    gen = experience.generator(cfg, s, experience.truncation(cfg))
-    it = grpo.GRPOIteration(cfg, s, loop, gen, ref_params=params)
+    gen = experience.generator(s)
+    it = grpo_stage.GRPOIteration(cfg, s, loop, gen, ref_params=params)
     got, got_opt, metrics = it(_copy(params), loop.tx.init(params), problems, key, 1)
     assert metrics()["grad_norm"] > 0
     for name in want:
@@ -114,8 +116,8 @@ def tiny():
     and group advantages: ``(mdef, params, Sequences)``."""
     from models import get_config
     from tests.support.models import random_model
-    from train import rollout
-    from train.state import ModelDef, params_of
+    from train.rl import rollout
+    from train.rl.state import ModelDef, params_of
 
     cfg = get_config("tiny", dtype="float32")
     mdef, params = ModelDef.of(cfg), params_of(random_model(cfg, seed=4))

@@ -390,7 +390,7 @@ def _vocab(plan: TpuPlan, w) -> int:
     return w.shape[layout.vocab_dim(plan.spec.weight_layout)]
 
 
-def _forward(plan: TpuPlan, h, w, labels, temperature, min_logit) -> hm.Rows:
+def forward(plan: TpuPlan, h, w, labels, temperature, min_logit) -> hm.Rows:
     (rows, hidden), vocab = h.shape, _vocab(plan, w)
     t, c = plan.block_tokens, plan.block_vocab
     nt, nv = rows // t, pl.cdiv(vocab, c)
@@ -415,7 +415,7 @@ def _forward(plan: TpuPlan, h, w, labels, temperature, min_logit) -> hm.Rows:
     return hm.Rows(*(x[:, 0] for x in out))
 
 
-def _backward(plan: TpuPlan, h, w, labels, temperature, min_logit, m, log_s, ent, g, e):
+def backward(plan: TpuPlan, h, w, labels, temperature, min_logit, m, log_s, ent, g, e):
     """``(dh, dW)`` in the input dtype."""
     rows = _row_inputs(plan, labels, temperature, min_logit, m, log_s, ent, g, e)
     (n, hidden), vocab = h.shape, _vocab(plan, w)
@@ -452,7 +452,7 @@ def _backward(plan: TpuPlan, h, w, labels, temperature, min_logit, m, log_s, ent
     return dh, dw
 
 
-chunked_head = differentiable(_forward, _backward)
+chunked_head = differentiable(forward, backward)
 
 
 #: ``impl="pallas_tpu"`` (``PallasTpuConfig``).

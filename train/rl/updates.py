@@ -18,7 +18,7 @@ step's gradient a group-baselined estimate, as verl (``ppo_mini_batch_size`` cou
 prompts, times ``rollout.n``) and Tunix (``mini_batch_size`` counts prompts) have it.
 
 A mini-batch is packed into rows and split by rows into ``train.micro_batches`` parts of
-equal shape whose gradients are summed inside the step (``train.steps.grpo_step``), each
+equal shape whose gradients are summed inside the step (``train.rl.steps.grpo_step``), each
 normalised over the whole mini-batch (``rl_loss.LossNorm``): the update does not depend
 on the split. Every mini-batch of a step is packed into the same number of rows (the
 most any needs, rounded up to ``micro_batches * row_multiple``) and every micro-batch
@@ -45,9 +45,9 @@ import time
 import jax
 import numpy as np
 
-from train import domains as d
-from train import packing, rl_loss, steps
-from train.placement import Placement, place_batch, to_host
+from train.config import domains as d
+from train.rl import packing, rl_loss, steps
+from train.rl.placement import Placement, place_batch, to_host
 
 #: ``loss.old_logprobs``'s domain (module docstring).
 OLD_LOGPROBS = d.one_of("sampler", "trainer")
@@ -58,7 +58,7 @@ _SHUFFLE_STREAM = 1 << 30  # fold_in offset of the shuffles: far from the decode
 
 def whole_groups(cfg) -> list[tuple[str, str]]:
     """The relation of ``train.mini_batches`` to ``rollout.prompts_per_step`` (a config
-    relation, ``train.config.RELATIONS``): a mini-batch holds whole groups (module
+    relation, ``train.run.schema.RELATIONS``): a mini-batch holds whole groups (module
     docstring), so the mini-batches divide the prompts."""
     prompts = cfg.rollout.prompts_per_step
     if prompts % cfg.train.mini_batches:
@@ -110,17 +110,19 @@ class Schedule:
         return out
 
 
-def loss_config(cfg) -> rl_loss.LossConfig:
-    """The ``rl_loss.LossConfig`` of ``cfg.loss``.
+def loss_config(loss, max_completion_len: int) -> rl_loss.LossConfig:
+    """The ``rl_loss.LossConfig`` of the config section ``loss`` (``cfg.loss``) for
+    completions of at most ``max_completion_len`` tokens (the rollouts' budget,
+    ``RolloutSettings.max_new_tokens``).
 
     Raises:
       ValueError: see ``rl_loss.LossConfig.check``.
     """
-    c = cfg.loss
+    c = loss
     return rl_loss.LossConfig(
         eps_low=c.eps_low, eps_high=c.eps_high, beta=c.beta, kl_estimator=c.kl_estimator,
         entropy_coef=c.entropy_coef, aggregation=c.aggregation,
-        max_completion_len=cfg.rollout.max_new_tokens, tis_cap=c.tis_cap,
+        max_completion_len=max_completion_len, tis_cap=c.tis_cap,
         mask_ratio_low=c.mask_ratio_low, mask_ratio_high=c.mask_ratio_high,
         clip_ratio_c=c.clip_ratio_c, ratio_level=c.ratio_level).check()
 
@@ -136,7 +138,7 @@ class Sequences:
         ``advantages``, ``min_logit``).
       group_size: completions per group.
       routes: None, or per sequence the sampler's experts of its prompt and completion
-        tokens (``train.rollout.Rollout.sequence_routes``), packed beside the tokens.
+        tokens (``train.rl.rollout.Rollout.sequence_routes``), packed beside the tokens.
     """
 
     prompts: list
@@ -226,14 +228,14 @@ class Updater:
 
     Args:
       mdef, tx, loss_cfg, placement, temperature, skip, frozen: as
-        ``train.steps.grpo_step``.
+        ``train.rl.steps.grpo_step``.
       schedule: ``Schedule``.
       row_len: tokens per packed row.
       row_multiple: each micro-batch's row count is a multiple of this (already a
         multiple of the placement's batch shards).
       bucket_multiple: the head's bucket ladder.
       routing_replay: the policy's forwards (the updates' and the old policy's) use the
-        experts the sampler recorded (``train.steps.grpo_step``); the reference model's
+        experts the sampler recorded (``train.rl.steps.grpo_step``); the reference model's
         routes its own.
     """
 

@@ -28,7 +28,7 @@ import math
 import re
 from collections.abc import Iterator, Sequence
 
-from train.tokenizer import Tokenizer
+from train.data.tokenizer import Tokenizer
 
 #: How far apart the training streams of two run seeds start (``training_seed``): more
 #: positions than any run draws, so different run seeds never share an item.

@@ -1,5 +1,5 @@
 """The config schema shared by ``train.sft`` and ``train.grpo``: every key with its default,
-the values it accepts and what a resumed run may do with it (``train.domains``). Config
+the values it accepts and what a resumed run may do with it (``train.config.domains``). Config
 files (``configs/*.py``) start from ``base_config()`` and change fields;
 ``--config.a.b=value`` overrides them on the command line; ``check(cfg)`` finds every bad
 value at once before a run does any work.
@@ -24,10 +24,10 @@ from ml_collections import ConfigDict
 
 from models.mesh import AXES
 from models.sharding import DEFAULT_RULES
-from train import domains as d
-from train import optim, rl_loss, rollout, updates
-from train.data import SYSTEM_PROMPT, available_tasks
-from train.domains import COUNT, EXTENDS, FREE, NONNEGATIVE, POSITIVE, Key
+from train.config import domains as d
+from train.config.domains import COUNT, EXTENDS, FREE, NONNEGATIVE, POSITIVE, Key
+from train.data.tasks import SYSTEM_PROMPT, available_tasks
+from train.rl import optim, rl_loss, rollout, updates
 
 DTYPES = d.one_of("float32", "bfloat16")
 MESH_SIZE = d.Domain("an integer >= 1, or -1 (the remaining devices)",
@@ -78,7 +78,7 @@ def _rows(row_len: int, row_multiple: int) -> dict:
 
 
 def _nonfinite() -> dict:
-    """The non-finite guard of a stage (``train.nonfinite``)."""
+    """The non-finite guard of a stage (``train.rl.nonfinite``)."""
     return {
         # an update with a non-finite log-prob, ratio, loss, gradient or update is skipped
         # (named on stderr, counted as nonfinite_updates); this many in a row stop the run
@@ -192,12 +192,12 @@ def schema() -> d.Schema:
             # drawn from: exact ratio to the behaviour policy) | full (the whole softmax, old
             # log-probs moved to it; the truncated mass is logged)
             "logprob_support": Key("sampler", rollout.LOGPROB_SUPPORT),
-            # sampler-trainer mismatch corrections (train.rl_loss): 0 = off
+            # sampler-trainer mismatch corrections (train.rl.rl_loss): 0 = off
             "tis_cap": Key(0.0, NONNEGATIVE),  # truncated importance sampling cap C
             # drop tokens whose ratio leaves the band
             "mask_ratio_low": Key(0.0, d.FRACTION_BELOW_1),
             "mask_ratio_high": Key(0.0, rl_loss.OFF_OR_ABOVE_1),
-            # the PPO ratio's old policy (train.updates): sampler (the rollout's log-probs) |
+            # the PPO ratio's old policy (train.rl.updates): sampler (the rollout's log-probs) |
             # trainer (one forward on the kept tokens before the first update)
             "old_logprobs": Key("sampler", updates.OLD_LOGPROBS),
             # dual-clip bound for negative advantages (> 1; 0 = off)
@@ -214,7 +214,7 @@ def schema() -> d.Schema:
             **_rows(256, 4),
             # jaxhead on kept tokens only; False: every token (A/B)
             "skip_unkept": Key(True, d.boolean()),
-            # optimizer updates per rollout batch (train.updates): epochs over it (GRPO's mu),
+            # optimizer updates per rollout batch (train.rl.updates): epochs over it (GRPO's mu),
             # each split into mini_batches (whole groups; must divide
             # rollout.prompts_per_step), each update's gradient accumulated over
             # micro_batches (row slices)
@@ -271,7 +271,7 @@ def schema() -> d.Schema:
                 f"a tuple of (logical axis, mesh axis | tuple of axes | None) pairs, mesh "
                 f"axes among {AXES}"), resume=FREE),
         },
-        # Several hosts (train.distributed): empty = the JAX_COORDINATOR_ADDRESS /
+        # Several hosts (train.run.distributed): empty = the JAX_COORDINATOR_ADDRESS /
         # JAX_NUM_PROCESSES / JAX_PROCESS_ID environment variables, none set = one process.
         "distributed": {
             "coordinator_address": Key("", d.Domain(  # "host:port" of process 0
@@ -400,7 +400,7 @@ def _routing_replay(cfg) -> list[tuple[str, str]]:
 def _updates_round_away(cfg) -> list[tuple[str, str]]:
     """An Adam update moves a weight by about the learning rate. Below half the spacing at
     1.0 (a norm scale's initial value) of the weights the optimizer updates it rounds away.
-    Those are float32 whatever ``model.param_dtype`` (``train.optim.make_optimizer`` keeps
+    Those are float32 whatever ``model.param_dtype`` (``train.rl.optim.make_optimizer`` keeps
     float32 masters of 16-bit parameters: bfloat16 ones, with 8 significant bits, would
     lose any usual rate). The stage's smallest peak rate (``lr`` times the smallest
     ``lr_multipliers`` entry) must exceed it."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from train import rollout, updates
+from train.rl import rollout, updates
 
 
 class MetricsWriter:
@@ -89,7 +89,7 @@ PER_UPDATE = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "clip_
 
 
 def reduce_updates(updates: list[tuple[tuple[int, int], dict]]) -> dict[str, float]:
-    """The metrics of a step's updates (``train.updates.StepReport.updates``) as one line:
+    """The metrics of a step's updates (``train.rl.updates.StepReport.updates``) as one line:
     each metric's mean over the updates (``*_max``: their maximum), and with several
     updates each ``PER_UPDATE`` diagnostic of each update as ``<name>/<epoch>.<mini>``
     (e.g. ``clip_fraction/2.1``: the first mini-batch of the second epoch), as verl and
@@ -200,9 +200,9 @@ def grpo_metrics(report: updates.StepReport, rewards: np.ndarray, correct: np.nd
     ``peak_memory_bytes``).
 
     Args:
-      report: the step's updates (``train.updates.StepReport``: loss, KL, clip fractions,
+      report: the step's updates (``train.rl.updates.StepReport``: loss, KL, clip fractions,
         ... per update, reduced by ``reduce_updates``; the batches' sizes).
-      rewards, correct: ``[P, G]`` (``train.experience.score``).
+      rewards, correct: ``[P, G]`` (``train.run.experience.score``).
       ro: the rollout.
       epochs: passes over the rollout (``train.updates_per_batch``).
       times: seconds of ``rollout`` (sampling and scoring), ``reference`` (advantages,

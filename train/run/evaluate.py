@@ -13,10 +13,11 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from train import packing, resume, rollout, setup
-from train.data import Problem, Tasks
-from train.placement import place_batch
-from train.state import Params
+from train.data.tasks import Problem, Tasks
+from train.rl import packing, rollout
+from train.rl.placement import place_batch
+from train.rl.state import Params
+from train.run import resume, setup
 
 
 @dataclasses.dataclass
@@ -125,10 +126,10 @@ def greedy_point(cfg, s: setup.Setup, generate: rollout.Generator, params: Param
     """One point of the held-out greedy-accuracy curve: the greedy completions of the first
     ``eval.curve_size`` held-out problems under ``params``, written as the metrics record
     ``kind="eval_greedy"`` of ``step`` (``greedy_accuracy``, its standard error,
-    ``problems``; ``train.plot`` draws them). A resumed run that redoes the step writes
+    ``problems``; ``train.run.plot`` draws them). A resumed run that redoes the step writes
     nothing twice (``MetricsWriter``)."""
     problems = s.eval_problems[:cfg.eval.curve_size]
-    batch = cfg.eval.batch or cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    batch = cfg.eval.batch or s.rollout.rows
     with tqdm(total=-(-len(problems) // batch), disable=True) as bar:
         greedy = _generate_all(generate, params, [p.prompt for p in problems],
                                jax.random.key(0), batch, bar, 0.0)
@@ -145,10 +146,10 @@ def answer_logprobs(logprobs, params: Params, problems: list[Problem], tasks: Ta
 
     Args:
       logprobs: ``(params, batch, bucket) -> [R, L]`` log-probs of the kept tokens
-        (``train.steps.reference_logprobs``, at the sampling temperature).
+        (``train.rl.steps.reference_logprobs``, at the sampling temperature).
       row_len, row_multiple, batch: packed row length, the row count's multiple (fewer
         distinct shapes to compile) and problems per call.
-      place: ``packing.PackedBatch -> device batch`` (``train.placement.place_batch``).
+      place: ``packing.PackedBatch -> device batch`` (``train.rl.placement.place_batch``).
       bucket: ``packing.PackedBatch -> int``: the head's bucket of a packed batch.
     """
     out = np.zeros(len(problems))
@@ -197,7 +198,7 @@ def held_out(cfg, s: setup.Setup, generate: rollout.Generator, logprobs, params,
     """Evaluate ``params`` on the held-out set, or load the saved result ``name``. The
     same key is used before and after GRPO (common random numbers: the paired difference
     has less noise). ``logprobs``: the run's jitted teacher-forced log-probs
-    (``train.steps.reference_logprobs`` at the sampling temperature), built once so that
+    (``train.rl.steps.reference_logprobs`` at the sampling temperature), built once so that
     both evaluations share its compiles."""
     path = s.workdir / f"eval_{name}.json"
     if path.exists():
@@ -205,8 +206,8 @@ def held_out(cfg, s: setup.Setup, generate: rollout.Generator, logprobs, params,
     t0 = time.perf_counter()
     res = evaluate(
         generate, params, s.eval_problems, s.tasks,
-        temperature=cfg.rollout.temperature, samples=cfg.eval.samples,
-        batch=cfg.eval.batch or cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+        temperature=s.rollout.temperature, samples=cfg.eval.samples,
+        batch=cfg.eval.batch or s.rollout.rows,
         key=jax.random.fold_in(jax.random.key(cfg.seed), 10**6),
         format_weight=cfg.data.format_reward,
         progress=f"eval {name}" if s.writer.enabled else None)
@@ -214,7 +215,7 @@ def held_out(cfg, s: setup.Setup, generate: rollout.Generator, logprobs, params,
     res.answer_prob = np.exp(answer_logprobs(
         logprobs, params, s.eval_problems, s.tasks, row_len=cfg.train.row_len,
         row_multiple=placement.row_multiple(cfg.train.row_multiple),
-        batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+        batch=s.rollout.rows,
         place=lambda packed: place_batch(packed.arrays(), placement.mesh),
         bucket=lambda packed: placement.bucket(packed, cfg.train.bucket_multiple)))
     if s.writer.enabled:

@@ -4,7 +4,7 @@ parameter arrays, which optax updates and orbax checkpoints directly.
 Parameter keys are the NNX paths joined with dots (``"layers.0.self_attn.q_proj"``,
 ``param_key``; with ``ModelConfig.scan_layers`` ``"layers.self_attn.q_proj"``, stacked
 ``[L, ...]``, so a per-layer prefix such as ``"layers.0"`` names nothing). Random initial
-parameters come from ``train.placement.Placement.init_params`` (``models.init_sharded``,
+parameters come from ``train.rl.placement.Placement.init_params`` (``models.init_sharded``,
 one ``jit``, directly in the mesh layout).
 """
 
@@ -87,7 +87,7 @@ def load_hf(path, mdef: ModelDef, shardings: dict[str, jax.sharding.Sharding] | 
             ) -> Params:
     """The parameters of ``mdef`` from the checkpoint directory ``path``
     (``models.load_params``): each created in ``shardings[key]`` (e.g.
-    ``train.placement.Placement.params``), every process reading from the files only the
+    ``train.rl.placement.Placement.params``), every process reading from the files only the
     slices its own devices hold; None: whole, on the default device.
 
     Raises:

@@ -4,7 +4,7 @@ global-norm gradient clipping; float32 master weights and moments for 16-bit par
 The learning rate is a hyperparameter of the optimizer state (``scheduled_rate``, in
 the manner of ``optax.inject_hyperparams``): its schedule position is the training step,
 which the loop sets before each step (``at_step``), so an update skipped as non-finite
-(``train.nonfinite``: nothing of the optimizer state changes) does not shift the rate of
+(``train.rl.nonfinite``: nothing of the optimizer state changes) does not shift the rate of
 the steps after it; and the rate the metrics report is the one the last update applied
 (``applied_rate``, read from the state).
 """
@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from train import domains as d
+from train.config import domains as d
 
 DECAYS = ("cosine", "linear", "constant")
-#: The domains of an ``optim`` section's keys these functions read (``train/config.py``
+#: The domains of an ``optim`` section's keys these functions read (``train/run/schema.py``
 #: declares the keys with them).
 DECAY = d.one_of(*DECAYS)
 FROZEN = d.names(note=" (parameter-name prefixes)")
@@ -293,7 +293,7 @@ def at_step(opt_state, step: int, updates_per_step: int = 1):
     d.COUNT.require("step", step)
     if not _rate_states(opt_state):
         raise ValueError("at_step: this optimizer state has no scheduled rate "
-                         "(train.optim.scheduled_rate; make_optimizer's has one)")
+                         "(train.rl.optim.scheduled_rate; make_optimizer's has one)")
 
     def position(x):
         if not isinstance(x, RateState):
@@ -318,7 +318,7 @@ def applied_rate(opt_state) -> float:
     states = _rate_states(opt_state)
     if not states:
         raise ValueError("applied_rate: this optimizer state has no scheduled rate "
-                         "(train.optim.scheduled_rate)")
+                         "(train.rl.optim.scheduled_rate)")
     return float(states[0].learning_rate)
 
 

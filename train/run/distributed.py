@@ -1,14 +1,14 @@
 """Processes: JAX's multi-controller runtime (``jax.distributed``) for runs on several hosts.
 
 ``train.sft`` / ``train.grpo`` read the config section ``distributed``
-(``train.config``): ``coordinator_address`` / ``num_processes`` / ``process_id`` (empty:
+(``train.run.schema``): ``coordinator_address`` / ``num_processes`` / ``process_id`` (empty:
 the ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` environment
 variables; none of them set: one process), or ``enabled=True`` for
 ``jax.distributed.initialize()``'s own cluster detection (Cloud TPU pod slices, SLURM,
 Open MPI, Kubernetes). ``initialize(cfg)`` runs before any other JAX call.
 
 Where arrays live once the processes are up (the mesh, parameters, optimiser state,
-batches) is ``train.placement``.
+batches) is ``train.rl.placement``.
 """
 
 from __future__ import annotations

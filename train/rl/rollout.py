@@ -8,7 +8,7 @@ leave the batch between chunks of decode steps, at most ``max_decode_rows`` at o
 ``reference`` (the whole batch decodes until its longest row stops); both draw the same
 tokens for the same key (``models.generate.api``).
 
-Under a multi-device ``train.placement.Placement`` each call runs as SPMD programs over the
+Under a multi-device ``train.rl.placement.Placement`` each call runs as SPMD programs over the
 run's mesh: the rows (padded to a multiple of the batch shards; padding rows are done from
 the start and dropped after) are split over ``models.mesh.BATCH_AXES``, the parameters keep
 their training shardings (the MoE runs expert-parallel, no device gathers another's
@@ -35,9 +35,9 @@ import numpy as np
 from models.generate import IMPLEMENTATIONS, CompactEngine, Decoding, Work, reference
 from models.generate import Truncation as EngineTruncation
 from models.generate.api import row_requests
-from train import domains as d
-from train.placement import Placement, place_batch, to_host
-from train.state import ModelDef, Params
+from train.config import domains as d
+from train.rl.placement import Placement, place_batch, to_host
+from train.rl.state import ModelDef, Params
 
 __all__ = ["PATH_GUMBEL", "PATH_TRUNCATED", "Generator", "Rollout", "Truncation",
            "pad_prompts"]
@@ -120,7 +120,7 @@ class Rollout(NamedTuple):
     def sequence_routes(self, i: int, prompt_len: int) -> np.ndarray:
         """int32 ``[prompt_len + lengths[i], M, k]``: the recorded experts of row ``i``'s
         prompt (its first ``prompt_len`` tokens) and completion tokens, in the order
-        ``train.packing`` lays them out (-1: none recorded, the last token's).
+        ``train.rl.packing`` lays them out (-1: none recorded, the last token's).
 
         Raises:
           ValueError: the rollout recorded no routes.
@@ -215,8 +215,10 @@ class Generator:
             return jax.jit(fn, **jit_kwargs)
         return self.placement.jit(fn, **jit_kwargs)
 
-    def _fn(self, truncated: bool):
-        """The compiled engine of one sampler path (every group size and row count)."""
+    def compiled(self, truncated: bool):
+        """The compiled engine of one sampler path (every group size and row count): the
+        ``compact`` engine's ``CompactEngine`` (its device steps: ``.compiled(...)``), or
+        the ``reference`` engine's jitted decoder (``.lower(...)``: its program)."""
         key = truncated
         if key not in self._fns:
             d = self._decoding(truncated)
@@ -306,7 +308,7 @@ class Generator:
         padded, lens, budgets, truncated, trunc = self._inputs(
             prompts, temperature, truncation, group_size, None)
         args = self._reference_args(padded, lens, budgets, group_size, key, temperature, trunc)
-        return self._fn(truncated).lower(params, *args)
+        return self.compiled(truncated).lower(params, *args)
 
     def __call__(self, params: Params, prompts, key: jax.Array, *, temperature: float,
                  truncation: Truncation | None = None, group_size: int = 1,
@@ -341,7 +343,7 @@ class Generator:
         """
         padded, lens, budgets, truncated, trunc = self._inputs(
             prompts, temperature, truncation, group_size, max_new_tokens)
-        fn, rows = self._fn(truncated), len(budgets)
+        fn, rows = self.compiled(truncated), len(budgets)
         if self.engine == "compact":
             if self.placement is not None:
                 params = self.placement.place_params(params)

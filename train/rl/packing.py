@@ -8,7 +8,7 @@ of a completion token sits one position to its left.
 
 The positions the head computes are ``keep`` (the one definition, used on the host for
 the bucket and inside the jitted steps); the host picks the head's bucket from their count
-(``PackedBatch.bucket``, on a mesh ``train.placement.Placement.bucket``), a static int per
+(``PackedBatch.bucket``, on a mesh ``train.rl.placement.Placement.bucket``), a static int per
 step.
 """
 
@@ -76,7 +76,7 @@ class PackedBatch:
 
     def arrays(self, *value_names: str) -> dict[str, np.ndarray]:
         """The host arrays a step reads: ``BATCH_KEYS`` plus the named ``values``, and
-        ``routes`` when the batch has them (``train.placement.place_batch`` puts them on
+        ``routes`` when the batch has them (``train.rl.placement.place_batch`` puts them on
         the devices)."""
         out = {k: getattr(self, k) for k in BATCH_KEYS}
         out.update({k: self.values[k] for k in value_names})
@@ -172,7 +172,7 @@ def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
       values: optional per-completion-token numbers (``values[name][k]`` has
         ``len(completions[k])`` entries), placed where ``loss_mask`` marks the token.
       routes: optional int ``[len(prompt_k) + len(completion_k), M, k]`` per sequence
-        (``train.rollout.Rollout.sequence_routes``), placed at its tokens
+        (``train.rl.rollout.Rollout.sequence_routes``), placed at its tokens
         (``PackedBatch.routes``, -1 elsewhere).
 
     Returns:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from train.config import schema
-from train.domains import FREE, keys
-from train.evaluate import EvalResult, paired_change
+from train.config.domains import FREE, keys
+from train.run.evaluate import EvalResult, paired_change
+from train.run.schema import schema
 
 FILE = "grpo_curve.png"
 WINDOW = 10  # steps in the moving mean of the batch reward

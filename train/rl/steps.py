@@ -1,7 +1,7 @@
 """Jitted steps: supervised (CE) update, GRPO update, reference log-probs.
 
 Every log-prob comes from ``Transformer.token_logprobs`` (jaxhead; per token shard under a
-multi-device mesh) on the kept tokens (``train.packing.keep``), compacted into the static
+multi-device mesh) on the kept tokens (``train.rl.packing.keep``), compacted into the static
 ``bucket`` the host picked (``Placement.bucket``). With ``skip=False`` the head runs on
 every position (``keep=None``, ``bucket=None``; labels without a next token are replaced by
 0 and masked out of the loss): the A/B switch, same loss and gradients, more FLOPs. A batch
@@ -14,7 +14,7 @@ the token was drawn from; the reference is scored at the same threshold on its o
 The factories below build (trace lazily, compile on first call) one jitted function each;
 a trainer calls each factory once per run and keeps the result (nothing is cached here,
 so a function and its compiled variants live as long as the run that owns them). The
-batch ``b`` is ``train.placement.place_batch(packed.arrays(...), mesh)``.
+batch ``b`` is ``train.rl.placement.place_batch(packed.arrays(...), mesh)``.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from train import nonfinite, packing, rl_loss
-from train.optim import is_frozen
-from train.placement import Placement
-from train.state import ModelDef, Params
+from train.rl import nonfinite, packing, rl_loss
+from train.rl.optim import is_frozen
+from train.rl.placement import Placement
+from train.rl.state import ModelDef, Params
 
 
 def _stop_frozen(params: Params, frozen: tuple[str, ...]) -> Params:
@@ -64,7 +64,7 @@ def _policy(mdef: ModelDef, params: Params, b, *, skip: bool, bucket: int, tempe
         min_logit = jnp.where(b["loss_mask"] > 0, b["min_logit"], -jnp.inf)
     if replay and "routes" not in b:
         raise ValueError("routing replay needs the batch's routes: the rollout recorded "
-                         "none (train.rollout.Generator(record_routes=True))")
+                         "none (train.rl.rollout.Generator(record_routes=True))")
     return model.token_logprobs(b["tokens"], b["positions"], b["segment_ids"],
                                 **_head_args(b, skip=skip, bucket=bucket),
                                 temperature=temperature, with_entropy=with_entropy,
@@ -123,7 +123,7 @@ def _real_share(b, norm) -> jax.Array | float:
 
 def _apply(tx, params, opt_state, grads, loss, metrics: dict):
     """``(params, opt_state, metrics)`` after ``tx``'s update, skipped when anything is
-    non-finite (``train.nonfinite.guarded_update``: its flags join ``metrics``, with
+    non-finite (``train.rl.nonfinite.guarded_update``: its flags join ``metrics``, with
     ``grad_norm``)."""
     params, opt_state, flags = nonfinite.guarded_update(tx, params, opt_state, grads, loss,
                                                         metrics)
@@ -147,7 +147,7 @@ def sft_step(mdef: ModelDef, tx: optax.GradientTransformation,
     static; ``params`` and ``opt_state`` are donated. Metrics: ``loss``, ``nll`` (nats per
     completion token), ``grad_norm``, and for an MoE model ``moe_dropped_fraction``
     (``_moe_metrics``). ``frozen``: parameter-name prefixes without gradient
-    (``optim.frozen``). ``placement``: the run's ``train.placement.Placement`` (None: one
+    (``optim.frozen``). ``placement``: the run's ``train.rl.placement.Placement`` (None: one
     device).
     """
 
@@ -189,7 +189,7 @@ def grpo_loss_fn(mdef: ModelDef, loss_cfg: rl_loss.LossConfig, temperature: floa
     """``(params, batch, ref_logp, num_seqs, bucket, norm=None) -> (loss,
     (metrics, logp))``, the differentiable GRPO objective on a packed batch whose values
     hold ``old_logp`` (the sampler's), ``advantages`` and optionally ``trainer_logp``
-    (``train.rl_loss.grpo_loss`` plus the MoE load-balancing loss); the metrics are
+    (``train.rl.rl_loss.grpo_loss`` plus the MoE load-balancing loss); the metrics are
     ``grpo_loss``'s and ``_moe_metrics``. ``norm`` (``rl_loss.LossNorm``): the batch is a
     micro-batch of a mini-batch with these counts; its load-balancing loss (the
     Switch loss of its own tokens) enters weighted by its share of the mini-batch's real
@@ -332,7 +332,7 @@ def grpo_step(mdef: ModelDef, tx: optax.GradientTransformation, loss_cfg: rl_los
     from the trainer's router (``models.moe.layer.replay_route``), so
     ``expert_disagreement`` is 0 and the router still trains.
 
-    ``placement``: a multi-device ``train.placement.Placement`` compiles the step with
+    ``placement``: a multi-device ``train.rl.placement.Placement`` compiles the step with
     its out-shardings under its mesh; None or one device: plain ``jax.jit``.
     """
     loss_fn = grpo_loss_fn(mdef, loss_cfg, temperature, skip, frozen, routing_replay)

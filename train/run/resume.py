@@ -1,6 +1,6 @@
 """A run directory remembers the config it was started with (``config.json``: every key of
 the schema as the ``repr`` of its value), so that a rerun that resumes it can be checked
-against it: a value that changes the results (``resume=SAME`` in ``train.config``) stops
+against it: a value that changes the results (``resume=SAME`` in ``train.run.schema``) stops
 the run; more steps (``EXTENDS``) and how the run is carried out (``FREE``: checkpoint and
 log intervals, mesh, processes) are allowed and listed."""
 
@@ -11,8 +11,8 @@ import json
 import os
 from pathlib import Path
 
-from train import config as schema_config
-from train.domains import EXTENDS, FREE, keys, value_at
+from train.config.domains import EXTENDS, FREE, keys, value_at
+from train.run import schema as schema_config
 
 FILE = "config.json"
 

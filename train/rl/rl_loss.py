@@ -1,6 +1,6 @@
 """GRPO-family losses: group advantages, clipped surrogate, KL estimators, aggregation.
 
-Per-token arrays are ``[R, L]`` (packed rows, see ``train.packing``) with a float
+Per-token arrays are ``[R, L]`` (packed rows, see ``train.rl.packing``) with a float
 ``mask`` (1 on the positions that score completion tokens) and ``seq_index`` (the
 completion each position belongs to, -1 elsewhere).
 
@@ -76,13 +76,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import domains as d
+from train.config import domains as d
 
 ADVANTAGES = ("grpo", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 RATIO_LEVELS = ("token", "sequence")
-#: The domains of the ``loss`` keys these functions take (``train/config.py`` declares the
+#: The domains of the ``loss`` keys these functions take (``train/run/schema.py`` declares the
 #: keys with them; the functions' errors are the config check's lines).
 ADVANTAGE = d.one_of(*ADVANTAGES)
 KL_ESTIMATOR = d.one_of(*KL_ESTIMATORS)
@@ -128,7 +128,7 @@ class LossNorm(NamedTuple):
       seqs: its completions with at least one completion token.
       num_seqs: its completions (``seq-mean-token-sum-norm``'s count).
       real: its tokens that are not padding (``segment_ids > 0``: the tokens an MoE
-        router counts; ``train.steps`` weighs each part's load-balancing loss by its share
+        router counts; ``train.rl.steps`` weighs each part's load-balancing loss by its share
         of them), or None when not given.
       kept_tokens, kept_seqs: with ratio masking (``LossConfig.masks_ratios``), its
         completion tokens the mask keeps and its completions with at least one of them:
@@ -449,7 +449,7 @@ def grpo_loss(cfg: LossConfig, logp, old_logp, advantages, mask, seq_index, num_
       entropy: float32 ``[R, L]`` (needed iff ``entropy_coef != 0``; also reported).
       trainer_logp: float32 ``[R, L]``, the trainer's log-probs of the rollout policy
         (constant): the old policy of the PPO ratio when several updates use one rollout
-        (``train.updates``); a NaN entry (not known yet) stands for this forward's own
+        (``train.rl.updates``); a NaN entry (not known yet) stands for this forward's own
         detached log-prob; None: as above.
       norm: the counts of the whole batch this one is a part of (``LossNorm``): the loss
         and the mean metrics are then this part's shares, which add up over the parts.

@@ -2,7 +2,7 @@
 
 A NaN or an infinity anywhere in a step (a log-prob, a ratio, the loss, a gradient, the
 update) would make every parameter NaN at the next update, and every checkpoint after it.
-The jitted steps (``train.steps``) check before they apply an update and skip it when
+The jitted steps (``train.rl.steps``) check before they apply an update and skip it when
 anything is non-finite (the parameters and the optimizer state stay as they were); they
 report which part went non-finite as ``nonfinite_<cause>`` flags. ``Guard`` reads the flags
 of a step's updates on the host: it names each skipped update with its step and cause,
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from train import domains as d
+from train.config import domains as d
 
 #: What a step checks, in the order a cause is named: the head's log-probs of the loss's
 #: tokens, the PPO ratio on them, the loss, the gradient, the optimizer's update.

@@ -120,7 +120,7 @@ def _target(x):
 def check_resumable(directory, steps: int) -> None:
     """Raise unless a stage of ``steps`` steps can resume from ``directory``: its latest
     checkpoint must hold the optimiser state unless the stage already reached ``steps``
-    (a finished stage that kept its final parameters only, ``train.loop.Stage``).
+    (a finished stage that kept its final parameters only, ``train.run.loop.Stage``).
 
     Raises:
       ValueError: the directory, its last step and the way out named.

@@ -9,7 +9,7 @@ ml_collections, as in the Flax examples).
   config does not have (status 2: the closest valid keys, every valid key, then the error
   line again). Values outside their key's domain (a negative temperature, an unknown
   task, a missing checkpoint directory) are all reported at once, one ``error:`` line
-  each, before any work (status 2, ``train.setup.start``), and so is a resumed run whose
+  each, before any work (status 2, ``train.run.setup.start``), and so is a resumed run whose
   config differs from the saved one in a value that changes the results.
 * Output piped to a reader that closes early (``--helpfull | head``) ends the program
   quietly (status 141, as a SIGPIPE would), without a ``BrokenPipeError`` traceback.

@@ -1,11 +1,11 @@
-"""What a config key may hold, declared beside its default (``train/config.py``), and the
-one pass that checks a whole config before a run does any work (``train.cli``).
+"""What a config key may hold, declared beside its default (``train/run/schema.py``), and the
+one pass that checks a whole config before a run does any work (``train.config.cli``).
 
 A key of the schema is ``Key(default, domain, resume=...)``:
 
 * ``domain`` tells the values the key accepts (``integer(1)``, ``number(0, 1)``,
   ``one_of("a", "b")``, ...), in words for the error message and as a test;
-* ``resume`` tells what a resumed run may do with it (``train.resume``): ``SAME`` (the
+* ``resume`` tells what a resumed run may do with it (``train.run.resume``): ``SAME`` (the
   default: a value that changes the results must stay), ``EXTENDS`` (it may grow: more
   steps), or ``FREE`` (how the run is carried out, not what it computes: checkpoint and
   log intervals, the mesh, the processes).
@@ -245,7 +245,7 @@ def check(cfg: ConfigDict, schema: Schema, relations: list[Relation]) -> list[st
         why = spec.domain.error(value)
         if why:
             lines.append(f"{key} = {value!r}: {why}")
-    lines += [f"{key}: not a config key (train/config.py declares every key)"
+    lines += [f"{key}: not a config key (train/run/schema.py declares every key)"
               for key in undeclared(cfg, schema)]
     return lines or _findings(cfg, relations)
 

@@ -12,12 +12,15 @@ from pathlib import Path
 import jax
 
 import models
-from train import config, distributed, resume, state
-from train.checkpoint import check_resumable, require_checkpoint
-from train.data import Problem, Tasks
-from train.metrics import MetricsWriter
-from train.placement import Placement
-from train.tokenizer import Tokenizer, load_tokenizer
+from train.data.tasks import Problem, Tasks
+from train.data.tokenizer import Tokenizer, load_tokenizer
+from train.rl import state
+from train.rl.placement import Placement
+from train.rl.rollout_settings import RolloutSettings
+from train.run import distributed, resume
+from train.run import schema as config
+from train.run.checkpoint import check_resumable, require_checkpoint
+from train.run.metrics import MetricsWriter
 
 #: The stages' checkpoint directories under the workdir.
 SFT_DIR, GRPO_DIR = "sft", "grpo"
@@ -29,15 +32,17 @@ class Setup:
 
     Attributes:
       workdir: the run directory (absolute).
-      tokenizer, tasks: see ``train.tokenizer`` / ``train.data``; ``tasks`` makes the
+      tokenizer, tasks: see ``train.data.tokenizer`` / ``train.data.tasks``; ``tasks`` makes the
         held-out set and GRPO's problems.
       eval_problems: the held-out set (distinct questions, eval seed).
       exclude: their question texts (never trained on).
       mdef: the model definition (its config carries ``mesh.rules``).
       hf_params: parameters of ``model.hf_checkpoint`` in the placement's layout, each
         process having read only its devices' slices of the files (None without one).
-      placement: the mesh and the arrays' shardings (``train.placement``).
+      placement: the mesh and the arrays' shardings (``train.rl.placement``).
       writer: metrics (``metrics.jsonl`` and TensorBoard in the workdir; process 0 only).
+      rollout: the rollout settings (``cfg.rollout``, read once), for everything that
+        samples, scores or exports.
     """
 
     workdir: Path
@@ -49,6 +54,7 @@ class Setup:
     hf_params: state.Params | None
     placement: Placement
     writer: MetricsWriter
+    rollout: RolloutSettings
     sft_tasks: Tasks | None = None
 
     def stage_tasks(self, stage: str) -> Tasks:
@@ -79,7 +85,7 @@ def run_model_config(cfg) -> models.ModelConfig:
     ``model.overrides``) or ``model_config(cfg)``, with ``model.remat``.
 
     Raises:
-      FileNotFoundError / models.CheckpointError: see ``train.state.load_hf_config``.
+      FileNotFoundError / models.CheckpointError: see ``train.rl.state.load_hf_config``.
     """
     if cfg.model.hf_checkpoint:
         scan = bool(cfg.model.overrides.get("scan_layers", False))
@@ -94,7 +100,7 @@ def run_model_config(cfg) -> models.ModelConfig:
 
 
 def build(cfg) -> Setup:
-    """Build the shared pieces of a run from its config (after ``train.distributed``:
+    """Build the shared pieces of a run from its config (after ``train.run.distributed``:
     the mesh spans every process's devices).
 
     Raises:
@@ -102,7 +108,7 @@ def build(cfg) -> Setup:
         space cannot fill.
       FileNotFoundError: a missing ``model.hf_checkpoint`` / ``init.sft_checkpoint`` dir.
       ValueError: a finished stage in the workdir that kept its final parameters only
-        but now has more steps (``train.checkpoint.check_resumable``).
+        but now has more steps (``train.run.checkpoint.check_resumable``).
     """
     workdir = Path(cfg.workdir).absolute()
     tok = load_tokenizer(cfg.tokenizer or cfg.model.hf_checkpoint)
@@ -134,7 +140,7 @@ def build(cfg) -> Setup:
     writer = MetricsWriter(workdir / "metrics.jsonl", enabled=jax.process_index() == 0,
                            tensorboard=cfg.metrics.tensorboard)
     return Setup(workdir, tok, tasks, problems, {p.question for p in problems}, mdef,
-                 hf_params, placement, writer, sft_tasks)
+                 hf_params, placement, writer, RolloutSettings.from_config(cfg), sft_tasks)
 
 
 def _exit(status: int, lines: list[str]) -> None:
@@ -145,12 +151,12 @@ def _exit(status: int, lines: list[str]) -> None:
 def start(cfg, checks=()) -> Setup:
     """The preamble of both entry points, before any work:
 
-    1. ``train.config.check``: every value outside its key's domain (a negative
+    1. ``train.run.schema.check``: every value outside its key's domain (a negative
        temperature, an unknown task, a missing checkpoint directory, ...), one
        ``error: key = value: reason`` line each on stderr, then exit status 2;
     2. ``jax.distributed`` when the run spans several processes (before any other JAX
        call);
-    3. a run directory started with another config (``train.resume``): a value that
+    3. a run directory started with another config (``train.run.resume``): a value that
        changes the results is one ``error:`` line each and exit status 2; more steps and
        how the run is carried out are listed and allowed;
     4. ``checks`` (callables of ``cfg`` that raise ``ValueError`` on a bad value of the
@@ -211,7 +217,7 @@ def banner(cfg, s: Setup, entry: str, config_file: str | None = None) -> str:
     elif cfg.init.sft_checkpoint:
         stages.append(f"warm start {cfg.init.sft_checkpoint}")
     if entry == "train.grpo":
-        r = cfg.rollout
+        r = s.rollout
         stages.append(f"GRPO {cfg.train.steps} steps x {r.prompts_per_step} prompts x "
                       f"{r.group_size} samples")
     return "\n".join([

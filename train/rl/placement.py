@@ -6,9 +6,9 @@
 config carries too (``ModelConfig.sharding_rules``: the expert-parallel MoE follows them),
 so the model and its placement cannot disagree.
 
-Data flow on several processes (``train.distributed``): every process runs the same
+Data flow on several processes (``train.run.distributed``): every process runs the same
 program on the same data. Rollouts are one global SPMD program under the mesh
-(``train.rollout``): the prompts and the RNG key are the same on every process, each
+(``train.rl.rollout``): the prompts and the RNG key are the same on every process, each
 device decodes its rows (split over the batch axes, parameters in their training layout,
 the MoE expert-parallel, the KV cache split along the batch), and every process reads
 back all rows (``to_host``: a ``process_allgather`` of the small ``[B, T]`` results), so
@@ -23,7 +23,7 @@ sampling noise depends on the key and its global index only); the training step 
 mesh in the steps, the plain head.
 
 Only process 0 writes metrics (``MetricsWriter(enabled=...)``, tqdm, eval JSON); every
-process takes part in orbax saves and restores (``train.checkpoint``), which restore into
+process takes part in orbax saves and restores (``train.run.checkpoint``), which restore into
 the current shardings, so a checkpoint written by N processes restores on any device
 count.
 """
@@ -53,7 +53,7 @@ from models.mesh import (
 )
 from models.sharding import logical_to_mesh
 from models.transformer import head_bucket
-from train import state
+from train.rl import state
 
 
 def place_batch(arrays: Mapping[str, np.ndarray], mesh: Mesh | None = None, *,
@@ -119,7 +119,7 @@ class Placement:
       mesh: the ``models.mesh`` mesh over all global devices, its axes Auto
         (``models.mesh.auto_axes`` of the mesh given, of any axis types).
       sharded: more than one device (else the steps run exactly as without a mesh).
-      mdef: the model definition (``train.state.ModelDef``).
+      mdef: the model definition (``train.rl.state.ModelDef``).
       rules: the logical -> mesh axis rules (``mdef.cfg.sharding_rules``).
       params: parameter key -> ``NamedSharding`` (the parameter's logical axes mapped by
         ``rules``).
@@ -245,7 +245,7 @@ class Placement:
         return math.lcm(max(1, multiple), self.batch_shards) if self.sharded else multiple
 
     def bucket(self, packed, multiple: int, max_kept: int | None = None) -> int:
-        """The head's static bucket of a ``train.packing.PackedBatch``: ``packed.bucket``
+        """The head's static bucket of a ``train.rl.packing.PackedBatch``: ``packed.bucket``
         on one device; on a mesh the rung of the fullest token shard
         (``jaxhead.bucket_for_shards``; with context parallelism the shards of
         ``models.context``'s token-major rows; every process holds the same global batch, so

@@ -23,12 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from train.checkpoint import Checkpointer, check_resumable
-from train.data import Problem, training_seed
-from train.metrics import peak_memory_bytes
-from train.optim import applied_rate, at_step, frozen_prefixes, make_optimizer
-from train.setup import Setup
-from train.state import Params
+from train.data.tasks import Problem, training_seed
+from train.rl.optim import applied_rate, at_step, frozen_prefixes, make_optimizer
+from train.rl.state import Params
+from train.run.checkpoint import Checkpointer, check_resumable
+from train.run.metrics import peak_memory_bytes
+from train.run.setup import Setup
 
 #: ``(params, opt_state, metrics)`` of one step; ``metrics()`` is called on logging
 #: steps only (it may read device values back and time the step).
@@ -51,7 +51,7 @@ class Stage:
       steps: total steps (step numbers run from 1 to ``steps``).
       batch: problems drawn from the training stream per step.
       log_every: write metrics every this many steps (and at the last).
-      optim: the stage's ``optim`` config section (``train.optim.make_optimizer``).
+      optim: the stage's ``optim`` config section (``train.rl.optim.make_optimizer``).
       kind: the metrics lines' ``kind``.
       postfix: metric names shown on the progress bar.
       final_params_only: the last checkpoint holds the parameters only (no optimiser
@@ -59,7 +59,7 @@ class Stage:
         state nothing but its parameters is read from (the SFT stage of ``train.grpo``).
       updates_per_step: optimizer updates each step makes (GRPO: ``updates_per_batch x
         mini_batches``); the learning-rate schedule still counts steps
-        (``train.optim.make_optimizer``).
+        (``train.rl.optim.make_optimizer``).
     """
 
     name: str
@@ -79,10 +79,10 @@ class Loop:
     Attributes:
       tx, schedule: the optimiser (``make_optimizer(stage.optim, stage.steps,
         stage.updates_per_step)``) and its learning rate per step: before step ``s`` the
-        loop sets the rate's position to ``s`` (``train.optim.at_step``), so every update
+        loop sets the rate's position to ``s`` (``train.rl.optim.at_step``), so every update
         of the step applies ``schedule(s - 1)`` whatever earlier updates were skipped, and
         the ``lr`` logged is the rate the step's last applied update used, read from the
-        optimizer state (``train.optim.applied_rate``); created once; the stage builds its
+        optimizer state (``train.rl.optim.applied_rate``); created once; the stage builds its
         jitted step with ``tx``.
       frozen: the stage's frozen parameter-name prefixes (``optim.frozen``).
     """
@@ -140,7 +140,7 @@ class Loop:
         Raises:
           ValueError: the stage's latest checkpoint holds final parameters only (it
             finished with ``final_params_only``) but the stage has more steps now
-            (``train.checkpoint.check_resumable``; ``setup.build`` checks it first), or
+            (``train.run.checkpoint.check_resumable``; ``setup.build`` checks it first), or
             an optimizer state of another layout (``_restore``).
         """
         cfg, s, stage, placement = self.cfg, self.s, self.stage, self.s.placement

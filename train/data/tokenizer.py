@@ -230,7 +230,7 @@ _TURNS = {
 
 def chat_template(chat_format: str, system: str, answer_prefix: str = "") -> str:
     """The Jinja chat template whose rendering, encoded, is ``Tokenizer.chat_prompt``'s ids
-    (and ``answer_prefix``'s after them, as in ``train.data.Tasks.prompt_ids``): each
+    (and ``answer_prefix``'s after them, as in ``train.data.tasks.Tasks.prompt_ids``): each
     message as a turn of ``chat_format`` (``"chatml"``: ``<|im_start|>{role}\\n{content}
     <|im_end|>\\n``; ``"llama3"``: ``<|begin_of_text|>`` once, then
     ``<|start_header_id|>{role}<|end_header_id|>\\n\\n{content}<|eot_id|>``), ``system`` as
@@ -347,9 +347,9 @@ def save_tokenizer(spec: str, out, *, system: str = "", answer_prefix: str = "")
 
     The chat template, in ``chat_template.jinja`` and ``tokenizer_config.json``'s
     ``chat_template``, is ``chat_template(format, system, answer_prefix)`` (``system``: the
-    run's ``data.system_prompt``; ``answer_prefix``: ``train.data.answer_prefix``), so
+    run's ``data.system_prompt``; ``answer_prefix``: ``train.data.tasks.answer_prefix``), so
     that ``apply_chat_template([user], add_generation_prompt=True)`` gives the ids the
-    trainer's prompts had (``train.data.Tasks.prompt_ids``). A directory's own templates
+    trainer's prompts had (``train.data.tasks.Tasks.prompt_ids``). A directory's own templates
     (``base_chat_templates``; an instruct checkpoint's adds a default system prompt or a
     date line the trainer never wrote) are kept unchanged beside it, under
     ``additional_chat_templates/``: ``base.jinja`` for its default, ``base_<name>.jinja``
