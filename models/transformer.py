@@ -15,15 +15,7 @@ import jaxhead
 from models import context
 from models.attention.api import REGISTRY as ATTENTION
 from models.attention.layer import Attention
-from models.cache import (
-    KVCache,
-    PagedKVCache,
-    check_room,
-    init_cache,
-    layer_view,
-    paged_view,
-    write_tokens,
-)
+from models.cache import KVCache, PagedKVCache, init_cache
 from models.config import ModelConfig
 from models.invariant import check_config as check_numerics
 from models.invariant import check_mesh, head_logprobs, row_tiled
@@ -303,13 +295,9 @@ class Transformer(nnx.Module):
             )
         if routes is not None:
             check_routes(self.cfg, routes, tokens.shape)
-        overflow, paged = None, isinstance(cache, PagedKVCache)
-        if paged and tokens.shape[1] != 1:
-            raise ValueError(f"a paged KV cache decodes one token per row, got "
-                             f"{tokens.shape[1]}")
-        if cache is not None and not paged:
-            overflow = check_room(cache, tokens.shape[1])
-            cache = write_tokens(cache, positions, segment_ids)
+        overflow = None
+        if cache is not None:
+            cache, overflow = cache.begin(positions, segment_ids)
         # gathered in param_dtype; training's gradient is formed shard by shard
         x = embed_lookup(self.embed_tokens.embedding[...], tokens,
                          rules=self.cfg.sharding_rules, split_tokens=cache is None)
@@ -322,8 +310,6 @@ class Transformer(nnx.Module):
             x, stats, used = self._scan(x, positions, segment_ids, routes)
         else:
             x, cache, stats, used = self._loop(x, positions, segment_ids, cache, routes)
-        if cache is not None and not paged:
-            cache = cache._replace(index=cache.index + tokens.shape[1])
         zero = jnp.zeros((), jnp.float32)
         aux = load_balancing_loss(stats) if stats else zero
         dropped = dropped_fraction(stats, self.cfg.num_experts_per_tok) if stats else zero
@@ -362,8 +348,7 @@ class Transformer(nnx.Module):
         keys, values, stats, used = [], [], [], []
         for i in range(self.cfg.num_hidden_layers):
             layer = layer_at(self.layers, i) if self.cfg.scan_layers else self.layers[i]
-            kv = (None if cache is None else paged_view(cache, i)
-                  if isinstance(cache, PagedKVCache) else layer_view(cache, i))
+            kv = None if cache is None else cache.layer(i)
             replay = None if routes is None else routes[:, :, len(used)]
             if policy is not None and kv is None:
                 x, _, layer_stats, experts = nnx.remat(_call_layer, policy=policy)(
@@ -379,7 +364,7 @@ class Transformer(nnx.Module):
             if experts is not None:
                 used.append(experts)
         if cache is not None:
-            cache = cache._replace(keys=tuple(keys), values=tuple(values))
+            cache = cache.end(keys, values, x.shape[1])
         return x, cache, stats, used
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:

@@ -9,8 +9,9 @@
   pallas_tpu.py   ``"splash"``: ``splash_attention``
   pallas_gpu.py   ``"pallas_gpu"``: ``pallas_gpu_attention``
   paged.py        decode over a paged KV cache: ``paged_attention`` (``REGISTRY``: ``"xla"``,
-                  a dynamic trip count over the written pages; ``"dense"``),
-                  ``write_pages``
+                  a dynamic trip count over the written pages; ``"invariant"``;
+                  ``"dense"``); the pool, its writes and its split over the mesh are
+                  ``models.cache.paged``
 The layer is imported from ``models.attention.layer`` (it needs ``models.config``); this
 package's API is the op, which needs no config: ``models.transformer.check_ops`` checks a
 config's ``attention_impl`` against ``REGISTRY`` where the model is built.

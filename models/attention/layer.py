@@ -15,8 +15,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from models.attention.api import cache_attention, self_attention
-from models.attention.paged import paged_attention, write_pages
-from models.cache import LayerKV, PagedLayerKV, write_kv
+from models.attention.paged import paged_attention
+from models.cache import LayerKV, PagedLayerKV
 from models.config import ModelConfig
 from models.layers import RMSNorm, apply_rope, param
 from models.mesh import active_mesh
@@ -123,28 +123,38 @@ class Attention(nnx.Module):
 
     def attend(self, q, k, v, positions, segment_ids, kv=None):
         """``(out [B, T, N, D], kv)``: the attention of ``project``'s ``q``, ``k``, ``v``
-        ``[B, T, ...]`` (see ``__call__``)."""
+        ``[B, T, ...]`` (see ``__call__``). Without a cache the tokens attend to each
+        other; with one, the cache's view writes them and calls back the read its kind
+        of cache needs (``kv.attend``: ``over_cache`` or ``over_pages``)."""
+        if kv is not None:
+            return kv.attend(q, k, v, self, positions, segment_ids)
         mesh = active_mesh()
-        r = 1 if mesh is None else kv_head_layout(*self.heads, mesh, self.rules)
-        if isinstance(kv, PagedLayerKV):
-            kp, vp = write_pages(kv.keys, kv.values, kv.block_tables, kv.slots, k[:, 0],
-                                 v[:, 0])
-            out = paged_attention(q[:, 0], kp, vp, kv.block_tables, kv.slots,
-                                  scale=self.scale,
-                                  impl=self.impl if self.impl in ("dense", "invariant")
-                                  else "auto")
-            kv = kv._replace(keys=kp, values=vp)
-            out = out[:, None]
-        elif kv is None:
-            k, v = (_per_shard(x, r, mesh, self.rules) for x in (k, v))
-            out = self_attention(q, k, v, positions, segment_ids, scale=self.scale,
-                                 impl=self.impl)
-        else:
-            kv = write_kv(kv, k, v)
-            keys, values = (_per_shard(x, r, mesh, self.rules) for x in (kv.keys, kv.values))
-            out = cache_attention(q, keys, values, positions, segment_ids, kv.positions,
-                                  kv.segment_ids, scale=self.scale, impl=self.impl)
-        return out, kv
+        k, v = (_per_shard(x, self._replicas(mesh), mesh, self.rules) for x in (k, v))
+        return self_attention(q, k, v, positions, segment_ids, scale=self.scale,
+                              impl=self.impl), None
+
+    def over_cache(self, q, kv, positions, segment_ids):
+        """``[B, T, N, D]``: ``q`` (at ``positions`` / ``segment_ids`` ``[B, T]``) over a
+        dense cache's written slots (``kv`` a ``models.cache.LayerKV`` with the new tokens
+        written)."""
+        mesh = active_mesh()
+        r = self._replicas(mesh)
+        keys, values = (_per_shard(x, r, mesh, self.rules) for x in (kv.keys, kv.values))
+        return cache_attention(q, keys, values, positions, segment_ids, kv.positions,
+                               kv.segment_ids, scale=self.scale, impl=self.impl)
+
+    def over_pages(self, q, kv):
+        """``[R, N, D]``: each row's new token ``q`` over its written pages (``kv`` a
+        ``models.cache.PagedLayerKV`` with the new token written; its slots are its
+        positions)."""
+        return paged_attention(q, kv.keys, kv.values, kv.block_tables, kv.slots,
+                               scale=self.scale,
+                               impl=self.impl if self.impl in ("dense", "invariant")
+                               else "auto")
+
+    def _replicas(self, mesh) -> int:
+        """How many times each K/V head repeats over the mesh's ``kv_heads`` axes."""
+        return 1 if mesh is None else kv_head_layout(*self.heads, mesh, self.rules)
 
 
 def _per_shard(x: jax.Array, r: int, mesh, rules) -> jax.Array:

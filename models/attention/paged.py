@@ -27,16 +27,14 @@ split as the compiler chooses), and no device reads another's pages.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from jaxhead import dispatch
 from models.attention import invariant
-from models.mesh import BATCH_AXES, free_axes
+from models.cache.paged import per_shard
 
 #: Pages read per iteration of the ``"xla"`` loop (fewer when the table is narrower).
 PAGES_PER_BLOCK = 8
@@ -124,69 +122,6 @@ REGISTRY: dispatch.Registry[Callable] = dispatch.Registry("paged_attention_impl"
 ])
 
 
-def _split_axes() -> tuple[jax.sharding.AbstractMesh, tuple[str, ...]]:
-    """The mesh in context and its batch axes of size > 1 not already manual."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return mesh, ()
-    free = free_axes(mesh)
-    return mesh, tuple(a for a in BATCH_AXES if free.get(a, 1) > 1)
-
-
-def per_shard(fn: Callable, pools: tuple, rows: tuple, out_pools: int, out_rows: int):
-    """``fn(*pools, *rows)`` with the pools ``[P, K, S, D]`` split along their page axis
-    and the row arrays along their leading axis over the mesh's batch axes
-    (``jax.shard_map``, manual over those axes only); a plain call without them.
-    ``fn`` returns ``out_pools`` pools then ``out_rows`` row arrays (one array: not in a
-    tuple).
-
-    Raises:
-      ValueError: the pages or rows do not split evenly over those axes (named).
-    """
-    mesh, axes = _split_axes()
-    if not axes:
-        return fn(*pools, *rows)
-    shards = math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[a] for a in axes)
-    if pools[0].shape[0] % shards or (rows and rows[0].shape[0] % shards):
-        raise ValueError(f"a paged cache of {pools[0].shape[0]} pages and {rows[0].shape[0]}"
-                         f" rows does not split over the batch axes {axes} ({shards} shards)")
-    pool_spec = row_spec = P(axes)
-    out_specs = (pool_spec,) * out_pools + (row_spec,) * out_rows
-    return jax.shard_map(lambda *a: fn(*a), mesh=mesh,
-                         in_specs=(pool_spec,) * len(pools) + (row_spec,) * len(rows),
-                         out_specs=out_specs[0] if len(out_specs) == 1 else out_specs,
-                         axis_names=set(axes), check_vma=False)(*pools, *rows)
-
-
-def write_pages(k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array,
-                slots: jax.Array, keys: jax.Array, values: jax.Array
-                ) -> tuple[jax.Array, jax.Array]:
-    """The pools with each row's new key and value written at its slot.
-
-    Args:
-      k_pages, v_pages: ``[P, K, S, D]``.
-      tables: int32 ``[R, M]`` block tables; slots: int32 ``[R]`` (-1: no write).
-      keys, values: ``[R, K, D]`` the new token's.
-
-    Returns:
-      ``(k_pages, v_pages)`` (rows with ``slots = -1`` write nothing).
-    """
-    def write(kp, vp, tables, slots, k, v):
-        pages, size = kp.shape[0], kp.shape[2]
-        row = jnp.arange(tables.shape[0])
-        page = tables[row, jnp.clip(slots, 0) // size]
-        page = jnp.where(slots >= 0, page, pages)  # out of range: dropped
-        off = jnp.clip(slots, 0) % size
-        # one D-vector per (row, head): a scatter the pool's [P, K, S, D] layout serves in
-        # place (a [K, D] block per row would want the slots outside the heads)
-        head = jnp.arange(kp.shape[1])[None, :]
-        at = (page[:, None], head, off[:, None])
-        return (kp.at[at].set(k.astype(kp.dtype), mode="drop"),
-                vp.at[at].set(v.astype(vp.dtype), mode="drop"))
-
-    return per_shard(write, (k_pages, v_pages), (tables, slots, keys, values), 2, 0)
-
-
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     tables: jax.Array, slots: jax.Array, *, scale: float,
                     impl: str = "auto") -> jax.Array:
@@ -212,12 +147,3 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         return run(q, kp, vp, tables, slots + 1, scale)
 
     return per_shard(attend, (k_pages, v_pages), (q, tables, slots), 0, 1)
-
-
-def along_pages(tree):
-    """``tree`` with every ``[P, K, S, D]`` pool constrained to be split along its page
-    axis over the mesh's batch axes; unchanged without them."""
-    _, axes = _split_axes()
-    if not axes:
-        return tree
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P(axes)), tree)

@@ -46,8 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxhead
-from models.attention.paged import along_pages, per_shard
 from models.cache import PagedKVCache, init_pages
+from models.cache.paged import along_pages, per_shard
 from models.generate.api import (
     Decoding,
     Jit,

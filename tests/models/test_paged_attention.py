@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from models import get_config
-from models.attention.paged import REGISTRY, paged_attention, write_pages, xla_paged
+from models.attention.paged import REGISTRY, paged_attention, xla_paged
 from models.cache import PagedKVCache, init_pages
+from models.cache.paged import write_pages
 from tests.support.models import random_model
 
 K, N, D, S, P, R, M = 2, 6, 8, 4, 48, 5, 7

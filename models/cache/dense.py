@@ -1,4 +1,4 @@
-"""``KVCache``: fixed-size key/value cache for prefill + one-token decode steps.
+"""``KVCache``: a fixed-size key/value cache for prefill + one-token decode steps.
 
 Each cache slot stores the key and value of one token (per layer) plus the token's
 position and segment id. Attention reads every slot and masks by segment id and position
@@ -32,6 +32,29 @@ class KVCache(NamedTuple):
     segment_ids: jax.Array
     index: jax.Array
 
+    def begin(self, positions: jax.Array, segment_ids: jax.Array
+              ) -> tuple[KVCache, jax.Array | None]:
+        """``(cache, overflow)`` before a forward of the new tokens ``[B, T]``: their
+        positions and segment ids written (``write_tokens``), and ``check_room``'s
+        traced overflow flag (None when known on the host to fit).
+
+        Raises:
+          ValueError: the tokens do not fit, when that is known on the host.
+        """
+        overflow = check_room(self, positions.shape[1])
+        return write_tokens(self, positions, segment_ids), overflow
+
+    def layer(self, i: int) -> LayerKV:
+        """What layer ``i`` reads and writes (``layer_view``)."""
+        return layer_view(self, i)
+
+    def end(self, keys: tuple[jax.Array, ...], values: tuple[jax.Array, ...],
+            num_new: int) -> KVCache:
+        """The cache after the forward: each layer's written keys and values, ``index``
+        moved past the ``num_new`` tokens."""
+        return self._replace(keys=tuple(keys), values=tuple(values),
+                             index=self.index + num_new)
+
 
 class LayerKV(NamedTuple):
     """The view of the cache one attention layer reads and writes.
@@ -45,6 +68,18 @@ class LayerKV(NamedTuple):
     positions: jax.Array
     segment_ids: jax.Array
     index: jax.Array
+
+    def write(self, keys: jax.Array, values: jax.Array) -> LayerKV:
+        """The view with ``keys`` / ``values`` ``[B, T, K, D]`` written (``write_kv``)."""
+        return write_kv(self, keys, values)
+
+    def attend(self, q, k, v, attention, positions, segment_ids):
+        """``(out [B, T, N, D], view)``: ``k`` / ``v`` ``[B, T, K, D]`` written, then
+        ``attention.over_cache(q, view, positions, segment_ids)``
+        (``models.attention.layer.Attention``: the layer knows the kernels, the view
+        which of its reads applies)."""
+        kv = self.write(k, v)
+        return attention.over_cache(q, kv, positions, segment_ids), kv
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
@@ -131,55 +166,3 @@ def write_kv(kv: LayerKV, keys: jax.Array, values: jax.Array) -> LayerKV:
     ``write_tokens``')."""
     return kv._replace(keys=_write_slots(kv.keys, keys, kv.index),
                        values=_write_slots(kv.values, values, kv.index))
-
-
-class PagedKVCache(NamedTuple):
-    """A paged KV cache for one-token decode steps (a pytree; pass it through ``jit``).
-
-    Keys and values live in a pool of pages of ``S`` slots; row ``r``'s slot ``s`` is slot
-    ``s % S`` of page ``block_tables[r, s // S]``. Slot ``s`` holds the token at position
-    ``s`` (prompts start at slot 0), so rows may share the pages of a common prompt and hold
-    only the pages they have written (``models.generate.compact``). Under a mesh the pool
-    is split along its page axis over the batch axes and each row's page ids are local to
-    its shard (``models.attention.paged``).
-
-    Attributes:
-      keys, values: one ``[P, K, S, D]`` array per layer, compute dtype, post-RoPE keys (a
-        page's slots of one head contiguous: the layout the block gathers of the attention
-        read, which the decode step's write keeps, so the compiler updates the pool in
-        place).
-      block_tables: int32 ``[R, M]``: the pages of each row's slots ``[0, M S)``.
-      slots: int32 ``[R]``: the slot the new token is written at (= its position); the
-        token then attends to slots ``[0, slots]``. -1: the row writes and reads nothing
-        (finished or padding).
-    """
-
-    keys: tuple[jax.Array, ...]
-    values: tuple[jax.Array, ...]
-    block_tables: jax.Array
-    slots: jax.Array
-
-
-class PagedLayerKV(NamedTuple):
-    """The view of a ``PagedKVCache`` one attention layer reads and writes."""
-
-    keys: jax.Array
-    values: jax.Array
-    block_tables: jax.Array
-    slots: jax.Array
-
-
-def init_pages(cfg: ModelConfig, pages: int, page_size: int, dtype=None
-               ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """``(keys, values)``: an empty pool of ``pages`` pages of ``page_size`` slots per layer
-    (zeros ``[pages, K, page_size, D]``, ``dtype`` default ``cfg.dtype``)."""
-    dtype = cfg.dtype if dtype is None else dtype
-    shape = (pages, cfg.num_key_value_heads, page_size, cfg.head_dim)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
-    return zeros, zeros
-
-
-def paged_view(cache: PagedKVCache, layer: int) -> PagedLayerKV:
-    """What layer ``layer`` reads: its pages plus the shared block tables and slots."""
-    return PagedLayerKV(cache.keys[layer], cache.values[layer], cache.block_tables,
-                        cache.slots)
