@@ -103,14 +103,14 @@ def measure(config: str, preset: str, topology: str, mesh_sizes: dict[str, int] 
     out = []
     kv_heads, head_dim = model_cfg.num_key_value_heads, model_cfg.head_dim
     with jax.set_mesh(mesh):
-        ref = gen.compiled(False).lower(params, ints(prompts, width), ints(prompts),
+        ref = gen.engine_for(False).compiled("decode").lower(params, ints(prompts, width), ints(prompts),
                                    ints(rows), ints(rows), ints(rows), ints(rows),
                                    ints(sharding=rep), key, temp, trunc)
         out.append(("reference: whole decode", rows // n * (width + steps), *_memory(ref)))
         compact = rollout.Generator(mdef, max_new_tokens=steps, stop_ids=(0,),
                                     num_valid=vocab, placement=placement,
                                     page_size=r.page_size, decode_chunk=r.decode_chunk,
-                                    max_decode_rows=r.max_decode_rows).compiled(False)
+                                    max_decode_rows=r.max_decode_rows).engine_for(False)
         size, chunk = r.page_size, r.decode_chunk
         per = rows // n  # rows per shard; its prompts: per / G (at least one)
         local_prompts = max(1, -(-per // group))

@@ -15,6 +15,7 @@ rounding of a changed batch shape moves a logit).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -258,6 +259,40 @@ class Work(NamedTuple):
 
 #: ``jit(fn, **jit_kwargs) -> compiled fn``: how an engine compiles its functions (the
 #: trainer passes one that compiles under its mesh); ``read(tree) -> host tree`` reads device arrays
-#: back (on several processes every process reads every row).
+#: back (on several processes every process reads every row); ``place(dict of host arrays)
+#: -> dict of device arrays`` puts host rows where the engine's functions take them.
 Jit = Callable[[Callable], Callable]
 Read = Callable[[object], object]
+Place = Callable[[dict], dict]
+
+
+class Layout(NamedTuple):
+    """Where an engine's arrays live on a mesh (``jax.sharding.Sharding`` s): the
+    parameters' (a pytree), an array split by rows over the batch axes, a replicated one.
+    None for an engine on one device."""
+
+    params: object
+    rows: object
+    replicated: object
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """What an engine is built with besides the model and ``Decoding`` (every engine takes
+    them all and reads its own).
+
+    Attributes:
+      row_multiple: the batch shards n (rows are split in order over them).
+      chunk: the most decode steps between compactions (``compact``).
+      rung_multiple, growth: the row ladder (``compact``; ``rung_multiple`` a multiple of
+        ``row_multiple``).
+      page_size: slots per page of the paged KV cache (``compact``).
+      max_rows: the most rows decoding at once, 0 every row (``compact``).
+    """
+
+    row_multiple: int = 1
+    chunk: int = 64
+    rung_multiple: int = 8
+    growth: float = 1.5
+    page_size: int = 64
+    max_rows: int = 0

@@ -50,7 +50,10 @@ from models.cache import PagedKVCache, init_pages
 from models.cache.paged import along_pages, per_shard
 from models.generate.api import (
     Decoding,
+    EngineSettings,
     Jit,
+    Layout,
+    Place,
     Read,
     Work,
     along_batch,
@@ -256,6 +259,7 @@ class CompactEngine:
     Args:
       merge: ``params -> model``.
       d: the static settings.
+      settings: ``EngineSettings``; this engine reads every field:
       chunk: the most decode steps between compactions (>= 1); chunks start at ``chunk //
         16`` (at least 1) and adapt (``next_chunk``).
       rung_multiple: every rung of the row ladder below its top is a multiple of it (a
@@ -268,7 +272,8 @@ class CompactEngine:
       max_rows: the most rows decoding at once over all shards (0: every row): the others
         wait and take the places finished rows free (continuous batching).
       jit, read: how functions compile and device rows are read back
-        (``models.generate.api``).
+        (``models.generate.api``); ``place`` and ``layout`` (every engine's arguments) are
+        not needed: the steps take host arrays in the layout ``jit`` gives them.
 
     Attributes:
       pool_pages: pages per shard the next call's pool starts with (the most a call has
@@ -280,9 +285,14 @@ class CompactEngine:
         (``jaxhead.bucket_ladder``).
     """
 
-    def __init__(self, merge: Callable, d: Decoding, *, chunk: int, rung_multiple: int,
-                 growth: float, row_multiple: int = 1, page_size: int = 64,
-                 max_rows: int = 0, jit: Jit = jax.jit, read: Read = jax.device_get):
+    def __init__(self, merge: Callable, d: Decoding, settings: EngineSettings | None = None,
+                 *, jit: Jit = jax.jit, read: Read = jax.device_get,
+                 place: Place | None = None, layout: Layout | None = None):
+        del place, layout  # its steps take host arrays in the layout jit gives them
+        settings = EngineSettings() if settings is None else settings
+        chunk, rung_multiple, growth = settings.chunk, settings.rung_multiple, settings.growth
+        row_multiple, page_size = settings.row_multiple, settings.page_size
+        max_rows = settings.max_rows
         for name, value, low in (("decode chunk", chunk, 1), ("page_size", page_size, 1),
                                  ("max_rows", max_rows, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:

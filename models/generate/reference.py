@@ -9,11 +9,20 @@ call costs ``B x longest`` token-steps. The engine the others are checked agains
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.generate.api import (
     Decoding,
+    EngineSettings,
+    Jit,
+    Layout,
+    Place,
+    Read,
+    Work,
     along_batch,
     draw,
     empty_record,
@@ -21,6 +30,7 @@ from models.generate.api import (
     ended,
     masked,
     record_routes,
+    row_requests,
 )
 
 
@@ -87,3 +97,91 @@ def generate(model, prompts: jax.Array, lens: jax.Array, source: jax.Array,
 
     _, _, _, record, _, stopped, length, taken = jax.lax.while_loop(cond, body, carry)
     return (*record, length, stopped, *routes[:1], *taken)
+
+
+class ReferenceEngine:
+    """The ``reference`` engine, in the shape every engine has (``models.generate.ENGINES``):
+    built from the model and ``Decoding``, called on host prompts and budgets, returning
+    the record and the ``Work`` it did, its compiled function reachable by name.
+
+    Args:
+      merge: ``params -> model``.
+      d: the static settings.
+      settings: ``EngineSettings`` (this engine reads ``row_multiple``: the rows are padded
+        with copies of row 0 to a multiple of the batch shards).
+      jit, read, place: how its function compiles, device rows are read back and host rows
+        are put on the devices (``models.generate.api``).
+      layout: the shardings of its arguments on a mesh (None: one device).
+    """
+
+    def __init__(self, merge: Callable, d: Decoding, settings: EngineSettings | None = None,
+                 *, jit: Jit = jax.jit, read: Read = jax.device_get,
+                 place: Place = lambda arrays: arrays, layout: Layout | None = None):
+        settings = EngineSettings() if settings is None else settings
+        self.merge, self.d, self.shards = merge, d, settings.row_multiple
+        self.jit, self.read, self.place, self.layout = jit, read, place, layout
+        self._decode = None
+
+    def compiled(self, name: str = "decode", static=None):
+        """The jitted decoder (``name = "decode"``, the only one: ``generate``'s arguments
+        after ``params``; its ``.lower(...)`` gives the program).
+
+        Raises:
+          ValueError: another name.
+        """
+        if name != "decode":
+            raise ValueError(f"the reference engine compiles one function, 'decode'; "
+                             f"got {name!r}")
+        if self._decode is None:
+            d, merge = self.d, self.merge
+
+            def fn(params, *args):
+                return generate(merge(params), *args, d)
+
+            kw = {}
+            if self.layout is not None:
+                params, rows, rep = self.layout
+                kw = {"in_shardings": (params, rows, rows, rows, rows, rows, rows, rep, rep,
+                                       rep, (rep, rep, rep)),
+                      "out_shardings": (rows,) * (8 if d.record_routes else 6)}
+            self._decode = self.jit(fn, **kw)
+        return self._decode
+
+    def arguments(self, prompts, lens, budgets: np.ndarray, key, temperature, trunc, *,
+                  group_size: int, request_ids=None) -> tuple:
+        """The decoder's arguments after ``params`` for ``__call__``'s (placed)."""
+        rows = len(budgets)
+        size = rows + -rows % self.shards
+        source = np.minimum(np.arange(size) // group_size, len(prompts) - 1).astype(np.int32)
+        source[rows:] = 0
+        full = np.full(size, self.d.max_new_tokens, np.int32)
+        full[:rows] = budgets
+        request, sample = row_requests(request_ids, rows // group_size, group_size, size)
+        b = self.place({"prompts": np.asarray(prompts), "lens": np.asarray(lens)})
+        r = self.place({"source": source, "budgets": full, "request": request,
+                        "sample": sample})
+        return (b["prompts"], b["lens"], r["source"], r["budgets"], r["request"],
+                r["sample"], jnp.int32(rows), key, jnp.float32(temperature), trunc)
+
+    def lower(self, params, prompts, lens, budgets, key, temperature, trunc, *,
+              group_size: int):
+        """The decoder of these arguments, lowered (``jax.stages.Lowered``)."""
+        args = self.arguments(prompts, lens, budgets, key, temperature, trunc,
+                              group_size=group_size)
+        return self.compiled().lower(params, *args)
+
+    def __call__(self, params, prompts, lens, budgets: np.ndarray, key, temperature, trunc,
+                 *, group_size: int, request_ids=None) -> tuple[tuple, Work]:
+        """Rollouts of ``len(budgets)`` rows (``G`` per prompt row, in order), as
+        ``models.generate.CompactEngine.__call__``: host ``prompts`` / ``lens`` ``[U, W]``
+        / ``[U]``, ``budgets`` ``[B]``; returns ``(record, work)`` (``generate``'s
+        record, its rows padded to the shards, the first B real)."""
+        args = self.arguments(prompts, lens, budgets, key, temperature, trunc,
+                              group_size=group_size, request_ids=request_ids)
+        out = self.read(self.compiled()(params, *args))
+        rows, size, width = len(budgets), len(args[2]), prompts.shape[1]
+        steps = max(int(np.asarray(out[4])[:rows].max()) - 1, 0)  # to the longest row
+        slots = int(size * (width + self.d.max_new_tokens))
+        tokens = int(np.asarray(lens)[:rows // group_size].sum())  # each prompt's, once
+        work = Work(tokens * group_size, int(size * width), size * steps, slots, slots)
+        return out, work

@@ -32,9 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.generate import IMPLEMENTATIONS, CompactEngine, Decoding, Work, reference
+from models.generate import ENGINES, IMPLEMENTATIONS, Decoding, EngineSettings, Layout, Work
 from models.generate import Truncation as EngineTruncation
-from models.generate.api import row_requests
 from train.config import domains as d
 from train.rl.placement import Placement, place_batch, to_host
 from train.rl.state import ModelDef, Params
@@ -197,13 +196,13 @@ class Generator:
         self.stop_ids, self.num_valid = tuple(stop_ids), int(num_valid)
         self.placement = placement if placement is not None and placement.sharded else None
         shards = 1 if self.placement is None else self.placement.batch_shards
-        self._ladder = (math.lcm(rung_multiple, shards), rung_growth, shards)
-        self._paging = {"page_size": page_size, "max_rows": max_decode_rows}
-        CompactEngine(mdef.merge, self._decoding(False), chunk=decode_chunk,
-                      rung_multiple=self._ladder[0], growth=rung_growth,
-                      row_multiple=shards, **self._paging)  # checks the args
+        self.settings = EngineSettings(
+            row_multiple=shards, chunk=decode_chunk,
+            rung_multiple=math.lcm(rung_multiple, shards), growth=rung_growth,
+            page_size=page_size, max_rows=max_decode_rows)
         self.decode_chunk = decode_chunk
-        self._fns: dict = {}
+        self._engines: dict = {}
+        self.engine_for(False)  # checks the settings
         self.last_work: Work | None = None
 
     def _decoding(self, truncated: bool) -> Decoding:
@@ -215,32 +214,17 @@ class Generator:
             return jax.jit(fn, **jit_kwargs)
         return self.placement.jit(fn, **jit_kwargs)
 
-    def compiled(self, truncated: bool):
-        """The compiled engine of one sampler path (every group size and row count): the
-        ``compact`` engine's ``CompactEngine`` (its device steps: ``.compiled(...)``), or
-        the ``reference`` engine's jitted decoder (``.lower(...)``: its program)."""
-        key = truncated
-        if key not in self._fns:
-            d = self._decoding(truncated)
-            if self.engine == "compact":
-                self._fns[key] = CompactEngine(
-                    self.mdef.merge, d, chunk=self.decode_chunk, rung_multiple=self._ladder[0],
-                    growth=self._ladder[1], row_multiple=self._ladder[2], jit=self._jit,
-                    read=to_host, **self._paging)
-            else:
-                def generate(params, *args):
-                    return reference.generate(self.mdef.merge(params), *args, d)
-
-                if self.placement is None:
-                    self._fns[key] = jax.jit(generate)
-                else:
-                    p = self.placement
-                    rows, rep = p.batch, p.replicated
-                    self._fns[key] = p.jit(generate, in_shardings=(
-                        p.params, rows, rows, rows, rows, rows, rows, rep, rep, rep,
-                        (rep,) * len(Truncation._fields)),
-                        out_shardings=(rows,) * (8 if self.record_routes else 6))
-        return self._fns[key]
+    def engine_for(self, truncated: bool):
+        """The engine of one sampler path (``models.generate.ENGINES[engine]``: every group
+        size and row count), built once; its ``compiled(name, static)`` are its jitted
+        functions (``.lower(...)``: their programs)."""
+        if truncated not in self._engines:
+            p = self.placement
+            layout = None if p is None else Layout(p.params, p.batch, p.replicated)
+            self._engines[truncated] = ENGINES[self.engine](
+                self.mdef.merge, self._decoding(truncated), self.settings, jit=self._jit,
+                read=to_host, place=self._place, layout=layout)
+        return self._engines[truncated]
 
     def _inputs(self, prompts, temperature: float, truncation: Truncation | None,
                 group_size: int, max_new_tokens):
@@ -275,40 +259,20 @@ class Generator:
     def _place(self, arrays: dict) -> dict:
         return place_batch(arrays, None if self.placement is None else self.placement.mesh)
 
-    def _reference_args(self, padded, lens, budgets, group_size: int, key, temperature,
-                        trunc, request_ids=None) -> tuple:
-        """The ``reference`` decoder's arguments but params: the rows padded with copies
-        of row 0 to a multiple of the batch shards (budget T, dropped after)."""
-        rows = len(budgets)
-        shards = 1 if self.placement is None else self.placement.batch_shards
-        size = rows + -rows % shards
-        source = np.minimum(np.arange(size) // group_size, len(padded) - 1).astype(np.int32)
-        source[rows:] = 0
-        full = np.full(size, self.max_new_tokens, np.int32)
-        full[:rows] = budgets
-        request, sample = row_requests(request_ids, rows // group_size, group_size, size)
-        b = self._place({"prompts": padded, "lens": lens})
-        r = self._place({"source": source, "budgets": full, "request": request,
-                         "sample": sample})
-        return (b["prompts"], b["lens"], r["source"], r["budgets"], r["request"],
-                r["sample"], jnp.int32(rows), key, jnp.float32(temperature), trunc)
-
     def lower(self, params: Params, prompts, key: jax.Array, *, temperature: float,
               truncation: Truncation | None = None, group_size: int = 1):
-        """The ``reference`` engine's decoder of ``__call__``'s arguments, lowered
-        (``jax.stages.Lowered``: its HLO, ``.compile()`` and memory analysis); same
-        arguments and errors.
+        """The engine's program of ``__call__``'s arguments, lowered (``jax.stages.Lowered``:
+        its HLO, ``.compile()`` and memory analysis); same arguments and errors. An engine
+        that runs one program per call lowers it (``reference``).
 
         Raises:
-          ValueError: the generator's engine is not ``reference``.
+          ValueError: an engine that runs several programs a call (``compact``: lower each
+            with ``engine_for(...).compiled(name, static).lower(...)``).
         """
-        if self.engine != "reference":
-            raise ValueError(f"lower() lowers the reference engine; this generator's is "
-                             f"{self.engine!r}")
         padded, lens, budgets, truncated, trunc = self._inputs(
             prompts, temperature, truncation, group_size, None)
-        args = self._reference_args(padded, lens, budgets, group_size, key, temperature, trunc)
-        return self.compiled(truncated).lower(params, *args)
+        return self.engine_for(truncated).lower(params, padded, lens, budgets, key,
+                                                temperature, trunc, group_size=group_size)
 
     def __call__(self, params: Params, prompts, key: jax.Array, *, temperature: float,
                  truncation: Truncation | None = None, group_size: int = 1,
@@ -343,23 +307,12 @@ class Generator:
         """
         padded, lens, budgets, truncated, trunc = self._inputs(
             prompts, temperature, truncation, group_size, max_new_tokens)
-        fn, rows = self.compiled(truncated), len(budgets)
-        if self.engine == "compact":
-            if self.placement is not None:
-                params = self.placement.place_params(params)
-            out, self.last_work = fn(params, padded, lens, budgets, key,
-                                     np.float32(temperature), trunc, group_size=group_size,
-                                     request_ids=request_ids)
-            out = to_host(out)  # every process reads every row
-        else:
-            args = self._reference_args(padded, lens, budgets, group_size, key, temperature,
-                                        trunc, request_ids)
-            out = to_host(fn(params, *args))  # every process reads every row
-            size, width = len(args[2]), padded.shape[1]
-            steps = max(int(out[4][:rows].max()) - 1, 0)  # the loop ran to the longest row
-            slots = int(size * (width + self.max_new_tokens))
-            tokens = int(lens[:len(prompts)].sum())  # the compact engine counts its own
-            self.last_work = Work(tokens * group_size, int(size * width), size * steps, slots,
-                                  slots)
+        rows = len(budgets)
+        if self.placement is not None:
+            params = self.placement.place_params(params)
+        out, self.last_work = self.engine_for(truncated)(
+            params, padded, lens, budgets, key, np.float32(temperature), trunc,
+            group_size=group_size, request_ids=request_ids)
+        out = to_host(out)  # every process reads every row
         path = PATH_TRUNCATED if truncated else PATH_GUMBEL
         return Rollout(*(x[:rows] for x in out[:6]), path, *(x[:rows] for x in out[6:]))
