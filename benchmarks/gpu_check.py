@@ -40,7 +40,6 @@ script prints its own elapsed time; the budget is 8 minutes).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -95,13 +94,11 @@ def _peak_bytes(compiled) -> int:
 
 
 def _time(fn, *args, iters: int) -> tuple[float, object]:
-    out = jax.block_until_ready(fn(*args))  # warm-up
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness
+    from harness import bench
+
+    t = bench.rounds({"call": lambda: fn(*args)}, iters)["call"]  # after one warm-up
+    return t.wall, t.last
 
 
 def matmul_rate(size: int, iters: int) -> float:

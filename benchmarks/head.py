@@ -16,14 +16,17 @@ analysis (temporaries beyond inputs and outputs) of the same jitted function.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxhead
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness: a checkout's
+from harness import bench
 
 GiB = 2**30
 
@@ -59,15 +62,8 @@ def measure(fns, args, repeats):
     """Median seconds and compiled temp bytes of each function. Runs are interleaved
     (one of each per round) so that load from other processes hits all of them alike."""
     temps = [fn.lower(*args).compile().memory_analysis().temp_size_in_bytes for fn in fns]
-    for fn in fns:
-        jax.block_until_ready(fn(*args))  # warm-up
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, ts in zip(fns, times):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            ts.append(time.perf_counter() - t0)
-    return [statistics.median(ts) for ts in times], temps
+    times = bench.rounds({i: (lambda fn=fn: fn(*args)) for i, fn in enumerate(fns)}, repeats)
+    return [times[i].wall for i in range(len(fns))], temps
 
 
 def run(n, h, v, dtype, fractions, repeats):

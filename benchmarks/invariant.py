@@ -22,9 +22,7 @@ expert-major tiles of one shape, the gradient the default path's).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -32,23 +30,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's packages
-from harness import on_policy
+from harness import bench, on_policy
 from harness.machine import describe
 from models import Transformer, get_config
 from models.attention import api as attention
 from models.invariant import row_tiled
 
 
-def _timed(fn, repeats: int) -> tuple[float, float, object]:
-    """``(median CPU s, median wall s, last result)`` of ``repeats`` calls after one."""
-    jax.block_until_ready(fn())
-    cpu, wall = [], []
-    for _ in range(repeats):
-        c, w = time.process_time(), time.perf_counter()
-        out = jax.block_until_ready(fn())
-        cpu.append(time.process_time() - c)
-        wall.append(time.perf_counter() - w)
-    return statistics.median(cpu), statistics.median(wall), out
+def _timed(fn, repeats: int) -> bench.Timing:
+    """The medians of ``repeats`` calls after one (``harness.bench.rounds``)."""
+    return bench.rounds({"call": fn}, repeats)["call"]
 
 
 def measure(numerics: str, args) -> dict:

@@ -30,15 +30,14 @@ runs in the same rounds.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's packages
+from harness import bench
 from harness.machine import describe
 from models import get_config
 from models.mesh import make_mesh
@@ -138,33 +137,19 @@ def main(argv=None):
     key = jax.random.key(1)
 
     def call(engine):
-        c0, w0 = time.process_time(), time.perf_counter()
-        ro = gens[engine](params, prompts, key, temperature=1.0, group_size=args.group,
-                          max_new_tokens=budgets)
-        return ro, time.process_time() - c0, time.perf_counter() - w0
+        return gens[engine](params, prompts, key, temperature=1.0, group_size=args.group,
+                            max_new_tokens=budgets)
 
+    calls = {e: (lambda e=e: call(e)) for e in ENGINES}
     tunix_call = tunix_sampler(prompts, args.group, cfg, args.longest)
-    engines = tuple(ENGINES) + (("tunix",) if tunix_call else ())
-
-    def run(engine):
-        if engine != "tunix":
-            return call(engine)
-        c0, w0 = time.process_time(), time.perf_counter()
-        tunix_call()
-        return None, time.process_time() - c0, time.perf_counter() - w0
-
-    first = {e: run(e) for e in engines}  # compiles
-    ref = first["reference"][0]
-    others = [first[e][0] for e in ENGINES if e != "reference"]
+    if tunix_call:
+        calls["tunix"] = tunix_call
+    times = bench.rounds(calls, args.rounds)  # after a compiling call each
+    ref = times["reference"].last
+    others = [times[e].last for e in ENGINES if e != "reference"]
     differ = sum(int(np.sum(ref.tokens != got.tokens)) for got in others)
     lp = max(float(np.abs(ref.logprobs - got.logprobs).max()) for got in others)
-    times = {e: ([], []) for e in engines}
-    for _ in range(args.rounds):
-        for e in engines:
-            _, cpu, wall = run(e)
-            times[e][0].append(cpu)
-            times[e][1].append(wall)
-    med = {e: (statistics.median(c), statistics.median(w)) for e, (c, w) in times.items()}
+    med = {e: (t.cpu, t.wall) for e, t in times.items()}
     rows = len(budgets)
     ideal = ref.lengths.sum() / (rows * ref.lengths.max())
     print(describe())
@@ -185,7 +170,7 @@ def main(argv=None):
              "compact, rows at once <= max": f"compact, <= {args.max_rows} rows at once"}
     width = max(map(len, prompts))
     per_slot = 2 * args.layers * cfg.num_key_value_heads * cfg.head_dim * 4 / 2 ** 20
-    for e in engines:
+    for e in times:
         cpu, wall = med[e]
         if e == "tunix":  # every row: prompt padded to the widest, all longest steps
             prefill, steps = rows * width, rows * args.longest

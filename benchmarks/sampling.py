@@ -16,9 +16,7 @@ Rows, each jitted and timed after a warm-up (medians of ``--repeats`` calls):
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -27,6 +25,7 @@ import jax.numpy as jnp
 import jaxhead
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness: a checkout's
+from harness import bench
 from harness.machine import describe
 
 
@@ -37,18 +36,6 @@ def nucleus_by_sort(logits, key, top_p):
     outside = jnp.cumsum(p, axis=-1) - p > top_p
     j = jax.random.categorical(key, jnp.where(outside, -jnp.inf, sorted_logits))
     return jnp.take_along_axis(ids, j[:, None], axis=1)[:, 0]
-
-
-def timed(fn, args, repeats):
-    fn = jax.jit(fn)
-    jax.block_until_ready(fn(*args))
-    cpu, wall = [], []
-    for _ in range(repeats):
-        c0, w0 = time.process_time(), time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        cpu.append(time.process_time() - c0)
-        wall.append(time.perf_counter() - w0)
-    return statistics.median(cpu), statistics.median(wall)
 
 
 def main(argv=None):
@@ -76,11 +63,12 @@ def main(argv=None):
     ]
     print(f"one draw of [{args.rows}, {args.vocab}] (H = {args.hidden}), float32, medians "
           f"of {args.repeats} calls, on {describe()}, {jax.default_backend()}\n")
-    print("| draw | CPU s | wall s |")
-    print("|---|---|---|")
-    for name, fn, fn_args in rows:
-        cpu, wall = timed(fn, fn_args, args.repeats)
-        print(f"| {name} | {cpu:.3f} | {wall:.3f} |", flush=True)
+    jitted = {name: (jax.jit(fn), fn_args) for name, fn, fn_args in rows}
+    calls = {name: (lambda f=f, a=a: f(*a)) for name, (f, a) in jitted.items()}
+    times = bench.rounds(calls, args.repeats)
+    print(bench.table(["draw", "CPU s", "wall s"],
+                      [[name, f"{t.cpu:.3f}", f"{t.wall:.3f}"] for name, t in times.items()]),
+          flush=True)
 
 
 if __name__ == "__main__":

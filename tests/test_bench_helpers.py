@@ -1,0 +1,34 @@
+"""``harness.bench``: the benchmarks' shared timing and table."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import bench
+
+
+def test_rounds_interleave_after_the_warmup_and_report_medians():
+    order = []
+
+    def call(name, value):
+        def fn():
+            order.append(name)
+            return value
+        return fn
+
+    times = bench.rounds({"a": call("a", 1), "b": call("b", 2)}, 3, warmup=1)
+    assert order == ["a", "b"] + ["a", "b"] * 3  # warm-up each, then one of each a round
+    assert times["a"].last == 1 and times["b"].last == 2
+    assert all(t.cpu >= 0 and t.wall >= 0 for t in times.values())
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        bench.rounds({"a": call("a", 1)}, 0)
+
+
+def test_table_is_markdown_and_refuses_ragged_rows():
+    text = bench.table(["impl", "ms"], [["xla", "1.5"], ["pallas", 2]], align="lr")
+    assert text.splitlines() == ["| impl | ms |", "|---|---:|", "| xla | 1.5 |",
+                                 "| pallas | 2 |"]
+    with pytest.raises(ValueError, match="a row of 1 cells under a header of 2"):
+        bench.table(["impl", "ms"], [["xla"]])
+    with pytest.raises(ValueError, match="align 'l' has 1 columns"):
+        bench.table(["impl", "ms"], [], align="l")
