@@ -55,7 +55,7 @@ def test_tuple_overrides_parse_on_the_command_line():
             "--config.train.optim.lr_multipliers=(('norm', 50.0), ('layers.0', 2.0))",
             "--config.mesh.rules=(('expert', None), ('embed', ('fsdp', 'tensor')))",
             "--config.sft.optim.frozen=embed_tokens"]  # a bare word: a 1-tuple
-    code = ("import sys; from train import cli; cli.parse_flags(sys.argv); c = cli.config(); "
+    code = ("import sys; from train.config import cli; cli.parse_flags(sys.argv); c = cli.config(); "
             "print(repr((c.data.tasks, c.train.optim.frozen, c.sft.optim.frozen, "
             "c.train.optim.lr_multipliers, c.mesh.rules)))")
     out = subprocess.run([sys.executable, "-c", code, *argv[1:]], cwd=ROOT, check=False,
