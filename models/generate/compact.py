@@ -135,6 +135,16 @@ class CompactEngine:
         ``.lower(...)`` gives the program (``benchmarks/rollout_memory.py``)."""
         return self.runner.compiled(name, static)
 
+    def lower(self, *args, **kwargs):
+        """Refused: a call runs several programs (the prefill, a chunk per rung, ...);
+        lower each with ``compiled(name, static).lower(...)``.
+
+        Raises:
+          ValueError: always.
+        """
+        raise ValueError("the compact engine runs several programs a call: lower each with "
+                         "compiled(name, static).lower(...) (Generator.engine_for)")
+
     def ladder(self, rows: int) -> list[int]:
         """The per-shard row ladder of a call of ``rows`` real rows (``RowLadder.rungs``)."""
         return self.schedule.rungs(rows)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 
 from models import generate
 from models.config import get_config
@@ -44,3 +45,11 @@ def test_a_registered_engine_runs_under_the_generator(monkeypatch):
     assert CountingEngine.calls == 1 and isinstance(gen.engine_for(False), CountingEngine)
     np.testing.assert_array_equal(counted.tokens, plain.tokens)
     assert gen.last_work.prefill_tokens == 2 * (3 + 2)  # its Work reached the generator
+
+
+def test_the_compact_engine_refuses_to_lower_a_whole_call():
+    model = random_model(get_config("tiny", dtype="float32"), seed=0)
+    gen = rollout.Generator(state.ModelDef.of(model.cfg), max_new_tokens=4, stop_ids=(),
+                            num_valid=300, engine="compact")
+    with pytest.raises(ValueError, match="runs several programs a call"):
+        gen.lower(state.params_of(model), [[5, 6, 7]], jax.random.key(0), temperature=1.0)
