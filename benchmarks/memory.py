@@ -55,16 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness, models: a checkout's
 
-from harness.memory import CONFIG, measure, shipped
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """``"fsdp=8,expert=8"`` -> ``{"fsdp": 8, "expert": 8}`` (unnamed axes are 1)."""
-    sizes = {"data": 1}
-    for part in filter(None, text.split(",")):
-        name, value = part.split("=")
-        sizes[name.strip()] = int(value)
-    return sizes
+from harness.memory import CONFIG, measure, parse_mesh, shipped
 
 
 def main(argv=None) -> None:
@@ -103,7 +94,7 @@ def main(argv=None) -> None:
     parser.add_argument("--numerics", default="default",
                         help="ModelConfig.numerics (default or invariant)")
     args = parser.parse_args(argv)
-    meshes = [parse_mesh(m) for m in (args.mesh or ["fsdp=8,expert=8"])]
+    meshes = [{"data": 1, **parse_mesh(m)} for m in (args.mesh or ["fsdp=8,expert=8"])]
     devices = max(math.prod(m.values()) for m in meshes)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={devices}")

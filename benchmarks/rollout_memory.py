@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's packages
 from harness.machine import describe
-from harness.memory import topology_devices
+from harness.memory import parse_mesh, topology_devices
 from models import get_config
 from models.generate import Rows
 from models.mesh import BATCH_AXES, make_mesh, present
@@ -166,8 +166,7 @@ def main(argv=None) -> None:
     p.add_argument("--numerics", default="default",
                    help="ModelConfig.numerics (invariant: one device, --mesh data=1)")
     args = p.parse_args(argv)
-    sizes = None if args.mesh is None else {
-        k: int(v) for k, v in (item.split("=") for item in args.mesh.split(","))}
+    sizes = None if args.mesh is None else parse_mesh(args.mesh)
     rows, where = measure(args.config, args.preset, args.topology, sizes, args.layers,
                           args.dispatch, args.numerics)
     print(describe())

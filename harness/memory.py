@@ -40,6 +40,22 @@ def _shard_bytes(abstract) -> int:
 CONFIG = "grpo_qwen3_30b_a3b"
 
 
+def parse_mesh(text: str) -> dict[str, int]:
+    """A benchmark's ``--mesh``: ``"fsdp=8,expert=8"`` -> ``{"fsdp": 8, "expert": 8}``.
+
+    Raises:
+      ValueError: a part that is not ``axis=size`` with an integer size (the part named).
+    """
+    sizes = {}
+    for part in filter(None, text.split(",")):
+        name, _, value = part.partition("=")
+        try:
+            sizes[name.strip()] = int(value)
+        except ValueError:
+            raise ValueError(f"--mesh {text!r}: {part!r} is not axis=size") from None
+    return sizes
+
+
 def shipped(config: str = CONFIG) -> dict:
     """The settings of ``configs/<config>.py`` a train step's memory depends on: ``dtype``
     and ``param_dtype`` (the model's), ``tx`` (its GRPO stage's optimizer) and ``loss``

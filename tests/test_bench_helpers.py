@@ -1,10 +1,12 @@
-"""``harness.bench``: the benchmarks' shared timing and table."""
+"""``harness.bench``: the benchmarks' shared timing and table; ``harness.memory.parse_mesh``:
+their ``--mesh``."""
 
 from __future__ import annotations
 
 import pytest
 
 from harness import bench
+from harness.memory import parse_mesh
 
 
 def test_rounds_interleave_after_the_warmup_and_report_medians():
@@ -32,3 +34,10 @@ def test_table_is_markdown_and_refuses_ragged_rows():
         bench.table(["impl", "ms"], [["xla"]])
     with pytest.raises(ValueError, match="align 'l' has 1 columns"):
         bench.table(["impl", "ms"], [], align="l")
+
+
+def test_a_mesh_argument_names_its_axes_or_its_bad_part():
+    assert parse_mesh("fsdp=8,expert=8") == {"fsdp": 8, "expert": 8}
+    assert parse_mesh("data=2,") == {"data": 2}
+    with pytest.raises(ValueError, match=r"'expert8' is not axis=size"):
+        parse_mesh("fsdp=8,expert8")

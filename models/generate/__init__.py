@@ -1,7 +1,7 @@
 """Rollouts with the KV cache (``models.cache``), one folder like the op folders.
 
   api.py          what the engines share: ``Decoding``, ``Truncation``, the draw of a
-                  step by global row index, ``Work``, ``IMPLEMENTATIONS``
+                  step by global row index, ``Work``
   reference.py    ``"reference"``: the whole batch decodes until its longest row stops
                   (``ReferenceEngine``)
   compact.py      ``"compact"``: one prefill per prompt into a paged KV cache its
@@ -13,7 +13,6 @@ The trainer's use of them (placement, host arrays, ``Rollout``) is ``train.rl.ro
 """
 
 from models.generate.api import (
-    IMPLEMENTATIONS,
     Decoding,
     EngineSettings,
     Layout,
@@ -28,6 +27,9 @@ from models.generate.reference import ReferenceEngine
 #: budgets, key, temperature, trunc, *, group_size, request_ids) -> (record, Work)``, its
 #: compiled functions ``engine.compiled(name, static)`` (``.lower(...)``: the program).
 ENGINES = {"reference": ReferenceEngine, "compact": CompactEngine}
+
+#: Their names: ``rollout.engine``'s domain (``train.rl.rollout.ENGINE``).
+IMPLEMENTATIONS = tuple(ENGINES)
 
 __all__ = ["ENGINES", "IMPLEMENTATIONS", "CompactEngine", "Decoding", "EngineSettings",
            "Layout", "ReferenceEngine", "Rows", "Truncation", "Work"]

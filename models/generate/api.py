@@ -1,5 +1,5 @@
 """What the rollout engines share: the settings of a call, the draw of one decode step,
-the record of the sampled tokens, and the choice of engine (``IMPLEMENTATIONS``).
+the record of the sampled tokens.
 
 A call's rows are numbered ``0 .. B-1`` in the order the caller gave them (``G``
 consecutive samples per prompt when ``group_size = G``); padding rows come after them.
@@ -28,10 +28,6 @@ import jaxhead
 from models.invariant import head_logprobs, head_weight_split, row_tiled
 from models.mesh import BATCH_AXES, active_mesh, present
 from models.transformer import moe_layers
-
-#: The engines: ``reference`` (the whole batch decodes until its longest row stops) and
-#: ``compact`` (one prefill per prompt; finished rows leave the batch between chunks).
-IMPLEMENTATIONS = ("reference", "compact")
 
 #: Each recorded field's value after a row's last token: token, log-prob, min_logit,
 #: logmass.

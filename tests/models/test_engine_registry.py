@@ -1,7 +1,7 @@
 """The rollout engines' one shape (docs/layout.md, "How to add a rollout engine"): an
 engine listed in ``models.generate.ENGINES`` runs under the trainer's ``Generator``
 without the generator knowing which it is, and ``IMPLEMENTATIONS`` (``rollout.engine``'s
-domain) are the registry's names."""
+domain) are the registry's names, derived from it."""
 
 from __future__ import annotations
 

@@ -5,10 +5,14 @@ of one process x 4 devices, after agreeing on the head bucket with a collective.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tests.support.multidevice import run_case, run_multiprocess
 
 
+# slow: by default tests/train/test_distributed.py trains in two processes against one, and
+# tests/train/test_sharded_rollout.py rolls out in two
+@pytest.mark.slow
 def test_two_processes_match_one_process():
     one = run_case("tests.models.sharding_cases:distributed_forward_case", devices=4)
     two = run_multiprocess("tests.models.sharding_cases:distributed_forward_case", processes=2,

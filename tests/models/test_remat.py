@@ -28,8 +28,11 @@ def loss_and_grads(model, tokens):
     return jax.jit(jax.value_and_grad(loss)), params
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
-@pytest.mark.parametrize("policy, scan", [("nothing_saved", False), ("offload", True)])
+# by default each policy once (the dense model without scan, the MoE model scanned)
+@pytest.mark.parametrize("preset, policy, scan", [
+    ("tiny", "nothing_saved", False), ("tiny-moe", "offload", True),
+    pytest.param("tiny-moe", "nothing_saved", False, marks=pytest.mark.slow),
+    pytest.param("tiny", "offload", True, marks=pytest.mark.slow)])
 def test_remat_gives_the_same_loss_and_gradients(preset, policy, scan):
     cfg = get_config(preset, dtype="float32", scan_layers=scan)
     tokens = random_tokens((2, 24), seed=7)

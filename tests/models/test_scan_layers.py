@@ -72,10 +72,13 @@ def assert_close(actual, expected, what, rel=1e-5):
 
 # the offload policy in the slow set: tests/models/test_remat.py runs it with scanned
 # layers on both models by default
-@pytest.mark.parametrize("kind", list(CONFIGS))
-@pytest.mark.parametrize("remat, policy", [
-    (False, "nothing_saved"), (True, "nothing_saved"), (True, "dots_saved"),
-    pytest.param(True, "offload", marks=pytest.mark.slow)])
+# by default the dense model without remat and the MoE model with the presets' remat
+# policy; every other pairing in the slow set
+@pytest.mark.parametrize("kind, remat, policy", [
+    (k, r, p) if (k, r, p) in {("dense", False, "nothing_saved"), ("moe", True, "dots_saved")}
+    else pytest.param(k, r, p, marks=pytest.mark.slow)
+    for k in CONFIGS for r, p in ((False, "nothing_saved"), (True, "nothing_saved"),
+                                  (True, "dots_saved"), (True, "offload"))])
 def test_scan_equals_loop_forward_aux_and_gradients(kind, remat, policy):
     loop = random_model(config(kind, remat=remat, remat_policy=policy), seed=1)
     scan = as_scanned(loop)

@@ -5,11 +5,17 @@ parameters and moments keep their expert-sharded layout."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.support.multidevice import run_case
 
 TOL = 1e-4
 
 
+# slow: by default the step on a mesh equals one device's in test_invariant_mesh.py (fsdp x
+# expert, bit for bit), test_kv_replication.py (fsdp x tensor, dense and MoE),
+# test_context_parallel.py (context) and test_distributed.py (two processes)
+@pytest.mark.slow
 def test_grpo_step_on_mesh_matches_single_device():
     r = run_case("tests.train.sharding_cases:grpo_step_case")
     for key, diff in r["metrics"].items():
