@@ -58,8 +58,11 @@ def _split_head(hidden, weight, labels, keep, temperature, min_logit, layout, im
     return logp, ent
 
 
-@pytest.mark.parametrize("layout", ["hv", "vh"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+# by default each dtype once and each layout once; the other two pairings in the slow set
+@pytest.mark.parametrize("dtype, layout", [
+    (jnp.float32, "vh"), (jnp.bfloat16, "hv"),
+    pytest.param(jnp.float32, "hv", marks=pytest.mark.slow),
+    pytest.param(jnp.bfloat16, "vh", marks=pytest.mark.slow)])
 def test_split_weight_gives_the_whole_weights_bits(dtype, layout):
     hidden, weight, labels, keep, temperature, min_logit = _inputs(dtype, layout)
     logp, ent = jax.jit(_split_head, static_argnums=(6,))(
