@@ -13,13 +13,11 @@ autodiff) in parentheses.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
+import checkout  # noqa: F401  (the checkout's packages on sys.path)
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the oracle lives in tests/
 from harness.oracle import head_inputs
 from harness.precision import IMPLS, errors
 

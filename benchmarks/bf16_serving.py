@@ -8,11 +8,8 @@ the numbers of docs/export.md):
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+import checkout  # noqa: F401  (the checkout's packages on sys.path)
 import numpy as np
 
 from harness import bf16_serving

@@ -9,10 +9,8 @@ that ``tests/train/test_fidelity.py`` bounds (``harness/fidelity.py``).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checkout  # noqa: F401  (the checkout's packages on sys.path)
 
 from harness import fidelity
 

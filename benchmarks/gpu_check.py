@@ -42,8 +42,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
+import checkout  # noqa: F401  (the checkout's packages on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,7 +94,6 @@ def _peak_bytes(compiled) -> int:
 
 
 def _time(fn, *args, iters: int) -> tuple[float, object]:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness
     from harness import bench
 
     t = bench.rounds({"call": lambda: fn(*args)}, iters)["call"]  # after one warm-up
@@ -176,7 +175,6 @@ ON_POLICY_DRY = {"prompts": 2, "group": 2, "new_tokens": 4, "row_len": 64}
 def on_policy_rows(dtypes, sizes: dict) -> list[dict]:
     """Per dtype: the sampler's vs the trainer's log-probs under ``numerics="invariant"``
     (``harness.on_policy.gap``: ``equal``, ``max``, ``tokens``), or ``error``."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness, models, train
     from harness import on_policy
 
     rows = []
@@ -209,7 +207,6 @@ def print_resources() -> int:
     except ImportError:
         print("--resources needs the triton package (pip install triton)", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness
     from harness import triton_compile as trc
 
     print(f"jaxhead gpu_check --resources: Triton {triton.__version__} -> sm_90 cubin, "

@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
+import checkout  # noqa: F401  (the checkout's packages on sys.path)
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # models, train: a checkout's
 import models
 from train.rl import packing, rl_loss, state, steps
 from train.rl.optim import make_optimizer

@@ -16,16 +16,13 @@ analysis (temporaries beyond inputs and outputs) of the same jitted function.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
+import checkout  # noqa: F401  (the checkout's packages on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxhead
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness: a checkout's
 from harness import bench
 
 GiB = 2**30

@@ -29,16 +29,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import sys
 import time
-from pathlib import Path
 
+import checkout  # noqa: F401  (the checkout's packages on sys.path)
 import jax
 import jax.numpy as jnp
 
 import jaxhead
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train: a checkout's
 from train.run.metrics import machine
 
 GiB = 2**30

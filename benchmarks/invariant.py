@@ -22,14 +22,12 @@ expert-major tiles of one shape, the gradient the default path's).
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
+import checkout  # noqa: F401  (the checkout's packages on sys.path)
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's packages
 from harness import bench, on_policy
 from harness.machine import describe
 from models import Transformer, get_config

@@ -50,10 +50,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness, models: a checkout's
+import checkout  # noqa: F401  (the checkout's packages on sys.path)
 
 from harness.memory import CONFIG, measure, parse_mesh, shipped
 

@@ -25,12 +25,10 @@ prints the refusal instead of numbers.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
+import checkout  # noqa: F401  (the checkout's packages on sys.path)
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's packages
 from harness import on_policy
 from harness.machine import describe
 from models import get_config

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train: a checkout's
+import checkout  # noqa: F401  (the checkout's packages on sys.path)
+
 from train.run import plot as run_plot
 
 ROOT = Path(__file__).resolve().parents[1]

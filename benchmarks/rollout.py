@@ -30,13 +30,11 @@ runs in the same rounds.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
+import checkout  # noqa: F401  (the checkout's packages on sys.path)
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's packages
 from harness import bench
 from harness.machine import describe
 from models import get_config

@@ -27,16 +27,15 @@ reaches ``T``) or all of ``T`` (every row at its budget: the worst case).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
+import checkout  # noqa: F401  (the checkout's packages on sys.path)
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's packages
 from harness.machine import describe
 from harness.memory import parse_mesh, topology_devices
 from models import get_config

@@ -16,15 +16,12 @@ Rows, each jitted and timed after a warm-up (medians of ``--repeats`` calls):
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
+import checkout  # noqa: F401  (the checkout's packages on sys.path)
 import jax
 import jax.numpy as jnp
 
 import jaxhead
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness: a checkout's
 from harness import bench
 from harness.machine import describe
 

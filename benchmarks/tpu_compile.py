@@ -33,11 +33,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
+import checkout  # noqa: F401  (the checkout's packages on sys.path)
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness, from a checkout
 from harness.tpu_compile import (
     MIB,
     SHAPES,

@@ -33,8 +33,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # configs, train, harness: a checkout's
+from checkout import ROOT  # the checkout's packages on sys.path
+
 from harness.machine import describe
 
 ROWS = {"tunix": "Tunix 0.1.7 GRPOLearner",

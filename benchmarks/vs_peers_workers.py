@@ -20,12 +20,10 @@ import json
 import sys
 import tempfile
 import time
-from pathlib import Path
 
+import checkout  # noqa: F401  (the checkout's packages on sys.path)
 import jax
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # configs, train: a checkout's
 
 
 class Timer:

@@ -52,7 +52,8 @@ def test_dry_run_checks_invariant_numerics_bit_for_bit(dry_run):
     assert check["bit_equal"] == "True" and float(check["max|diff|"]) == 0.0, proc.stdout
 
 
-def test_full_run_refuses_without_a_gpu(capsys):
+def test_full_run_refuses_without_a_gpu(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # as `python benchmarks/gpu_check.py`
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
