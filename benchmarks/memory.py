@@ -92,7 +92,10 @@ def main(argv=None) -> None:
     parser.add_argument("--numerics", default="default",
                         help="ModelConfig.numerics (default or invariant)")
     args = parser.parse_args(argv)
-    meshes = [{"data": 1, **parse_mesh(m)} for m in (args.mesh or ["fsdp=8,expert=8"])]
+    try:
+        meshes = [{"data": 1, **parse_mesh(m)} for m in (args.mesh or ["fsdp=8,expert=8"])]
+    except ValueError as e:
+        parser.error(str(e))
     devices = max(math.prod(m.values()) for m in meshes)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={devices}")

@@ -165,7 +165,10 @@ def main(argv=None) -> None:
     p.add_argument("--numerics", default="default",
                    help="ModelConfig.numerics (invariant: one device, --mesh data=1)")
     args = p.parse_args(argv)
-    sizes = None if args.mesh is None else parse_mesh(args.mesh)
+    try:
+        sizes = None if args.mesh is None else parse_mesh(args.mesh)
+    except ValueError as e:
+        p.error(str(e))
     rows, where = measure(args.config, args.preset, args.topology, sizes, args.layers,
                           args.dispatch, args.numerics)
     print(describe())

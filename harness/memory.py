@@ -44,15 +44,17 @@ def parse_mesh(text: str) -> dict[str, int]:
     """A benchmark's ``--mesh``: ``"fsdp=8,expert=8"`` -> ``{"fsdp": 8, "expert": 8}``.
 
     Raises:
-      ValueError: a part that is not ``axis=size`` with an integer size (the part named).
+      ValueError: a part that is not ``axis=size`` with a named axis and an integer size
+        >= 1, or an axis named twice (the part named).
     """
     sizes = {}
     for part in filter(None, text.split(",")):
-        name, _, value = part.partition("=")
-        try:
-            sizes[name.strip()] = int(value)
-        except ValueError:
-            raise ValueError(f"--mesh {text!r}: {part!r} is not axis=size") from None
+        name, _, value = (s.strip() for s in part.partition("="))
+        if not name or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--mesh {text!r}: {part!r} is not axis=size with a size >= 1")
+        if name in sizes:
+            raise ValueError(f"--mesh {text!r}: axis {name!r} is named twice")
+        sizes[name] = int(value)
     return sizes
 
 

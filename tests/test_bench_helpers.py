@@ -39,5 +39,8 @@ def test_table_is_markdown_and_refuses_ragged_rows():
 def test_a_mesh_argument_names_its_axes_or_its_bad_part():
     assert parse_mesh("fsdp=8,expert=8") == {"fsdp": 8, "expert": 8}
     assert parse_mesh("data=2,") == {"data": 2}
-    with pytest.raises(ValueError, match=r"'expert8' is not axis=size"):
-        parse_mesh("fsdp=8,expert8")
+    for bad in ("fsdp=8,expert8", "fsdp=0", "fsdp=-2", "=4", "fsdp=x"):
+        with pytest.raises(ValueError, match=r"is not axis=size with a size >= 1"):
+            parse_mesh(bad)
+    with pytest.raises(ValueError, match=r"axis 'fsdp' is named twice"):
+        parse_mesh("fsdp=2,fsdp=4")
