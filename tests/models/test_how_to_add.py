@@ -2,8 +2,8 @@
 of ``jaxhead._src.head.api.REGISTRY`` and ``token_logprobs(impl=...)`` runs it; an attention
 kernel is one more entry of ``models.attention.api.REGISTRY`` and a model whose
 ``attention_impl`` names it builds and runs; an MoE dispatch path is one more entry of
-``models.moe.api.REGISTRY`` and an MoE model whose ``expert_dispatch`` names it runs it on a
-mesh; a KV-cache kind is a cache and a layer view of the one interface
+``models.moe.api.REGISTRY``: the config check takes ``expert_dispatch`` naming it, and the
+expert-parallel experts (``routed_experts``, under a mesh) run through it; a KV-cache kind is a cache and a layer view of the one interface
 (``models.cache``), which the decoder runs without knowing it. Each trivial entry wraps an
 existing path, so its results are that path's bit for bit. (A rollout engine:
 ``test_engine_registry.py``; a model family: ``test_hf_families.py``; a loss variant:
