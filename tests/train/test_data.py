@@ -238,3 +238,31 @@ def test_sft_stage_draws_its_own_problems(tmp_path):
     cfg.sft.task_kwargs = {"chain_sum": {"min_terms": 0}}
     with pytest.raises(ValueError, match="task 'chain_sum': bad config"):
         setup.build(cfg)
+
+
+def test_an_sft_stage_that_covers_the_held_out_distribution_never_draws_a_held_out_question(
+        tmp_path):
+    """The main job's SFT stage (sums of 2 to 4 terms) contains GRPO's held-out
+    distribution (4 terms): the stage's stream, as the loop draws it (``stage_tasks("sft")``
+    with ``exclude``), skips every held-out question text, and would draw some without it."""
+    from tests.support import ROOT
+    from train.config.cli import load_config
+    from train.data.tasks import training_seed
+    from train.run import setup
+
+    cfg = load_config(str(ROOT / "configs" / "grpo_micro.py"))
+    cfg.workdir, cfg.metrics.tensorboard = str(tmp_path / "run"), False
+    one_digit = {"min_digits": 1, "max_digits": 1}
+    cfg.data.task_kwargs = {"chain_sum": {"min_terms": 2, "max_terms": 2, **one_digit}}
+    cfg.sft.task_kwargs = {"chain_sum": {"min_terms": 2, "max_terms": 3, **one_digit}}
+    cfg.eval.size = 64
+    s = setup.build(cfg)
+    held_out = {p.question for p in s.eval_problems}
+    assert len(held_out) == 64 and s.exclude == held_out
+    seed = training_seed(cfg.data.train_seed, cfg.seed)
+    sft = s.stage_tasks("sft")
+    drawn = [p for _, (_, p) in zip(range(3000), sft.train_stream(seed, s.exclude))]
+    assert {_terms(p) for p in drawn} == {2, 3}  # the held-out kind among them
+    assert not {p.question for p in drawn} & held_out
+    unfiltered = [p.question for _, (_, p) in zip(range(3000), sft.train_stream(seed, set()))]
+    assert set(unfiltered) & held_out  # the check can fail: the same stream meets them
