@@ -3,6 +3,8 @@ backend-neutral XLA path (``impl="xla"``) and the XLA:CPU-tuned one (``impl="xla
 
 from __future__ import annotations
 
+import itertools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -29,7 +31,7 @@ def _fwd(hidden, weight, labels, impl, config=None, **kw):
 
 @impls
 def test_f32_qwen_vocab_matches_float64(impl):
-    hidden, weight, labels = head_inputs(0, 512, 256, QWEN_VOCAB, exact_dot=True)
+    hidden, weight, labels = head_inputs(0, 128, 256, QWEN_VOCAB, exact_dot=True)
     out = _fwd(hidden, weight, labels, impl)
     ref_lp, ref_ent = ref64(hidden, weight, labels)
     chex.assert_trees_all_equal_dtypes(out.logprobs, out.entropy, jnp.zeros((), jnp.float32))
@@ -53,7 +55,7 @@ def test_f32_error_is_bounded_by_matmul_rounding(impl):
 
 @impls
 def test_bf16_qwen_vocab_matches_float64_on_same_values(impl):
-    hidden, weight, labels = head_inputs(1, 512, 256, QWEN_VOCAB, jnp.bfloat16)
+    hidden, weight, labels = head_inputs(1, 128, 256, QWEN_VOCAB, jnp.bfloat16)
     out = _fwd(hidden, weight, labels, impl)
     ref_lp, ref_ent = ref64(hidden, weight, labels)
     assert out.logprobs.dtype == jnp.float32
@@ -61,9 +63,15 @@ def test_bf16_qwen_vocab_matches_float64_on_same_values(impl):
     assert np.max(np.abs(np.asarray(out.entropy) - ref_ent)) <= 1e-4
 
 
-@impls
-@pytest.mark.parametrize("vocab", [1000, 50257])
-@pytest.mark.parametrize("vocab_chunk", [128, 4096])
+#: (vocab_chunk, vocab, impl): every pair of values once; the other 4 run with -m slow
+RAGGED_PAIRWISE = {(128, 1000, "xla"), (4096, 50257, "xla"), (4096, 1000, "xla_cpu"),
+                   (128, 50257, "xla_cpu")}
+
+
+@pytest.mark.parametrize("vocab_chunk, vocab, impl", [
+    pytest.param(*case, marks=() if case in RAGGED_PAIRWISE else pytest.mark.slow,
+                 id="-".join(map(str, case)))
+    for case in itertools.product([128, 4096], [1000, 50257], CONFIGS)])
 def test_ragged_vocab_adds_no_padding_mass(impl, vocab, vocab_chunk):
     hidden, weight, labels = head_inputs(2, 96, 64, vocab, exact_dot=True)
     out = _fwd(hidden, weight, labels, impl, {"vocab_chunk": vocab_chunk, "token_chunk": 32})
@@ -96,13 +104,23 @@ def test_batch_shape_is_preserved():
 
 
 COTANGENTS = {"logp": (True, False), "entropy": (False, True), "both": (True, True)}
+#: (variant, cotangent, backward, impl): a pairwise covering set of the 36 combinations
+#: (every pair of values of any two parameters once at least); the others run with
+#: ``pytest -m slow``
+PAIRWISE = {("plain", "logp", "fused", "xla"), ("plain", "entropy", "two_pass", "xla_cpu"),
+            ("plain", "both", "fused", "xla_cpu"), ("per_token_temp", "logp", "two_pass", "xla_cpu"),
+            ("per_token_temp", "entropy", "fused", "xla"),
+            ("per_token_temp", "both", "two_pass", "xla"), ("softcap", "logp", "two_pass", "xla"),
+            ("softcap", "entropy", "fused", "xla_cpu"), ("softcap", "both", "fused", "xla")}
+GRADIENT_CASES = [
+    pytest.param(*case, marks=() if case in PAIRWISE else pytest.mark.slow,
+                 id="-".join(case))
+    for case in itertools.product(["plain", "per_token_temp", "softcap"], COTANGENTS,
+                                  ["fused", "two_pass"], CONFIGS)]
 
 
-@impls
-@pytest.mark.parametrize("backward", ["fused", "two_pass"])
-@pytest.mark.parametrize("cotangent", list(COTANGENTS))
-@pytest.mark.parametrize("variant", ["plain", "per_token_temp", "softcap"])
-def test_gradients_match_float64_autodiff(impl, backward, cotangent, variant):
+@pytest.mark.parametrize("variant, cotangent, backward, impl", GRADIENT_CASES)
+def test_gradients_match_float64_autodiff(variant, cotangent, backward, impl):
     fused_max = 0 if backward == "two_pass" else 256 * 2**20
     n, h, v = 72, 40, 1000
     hidden, weight, labels = head_inputs(5, n, h, v)

@@ -25,6 +25,23 @@ from jaxhead._src.head import xla
 from jaxhead._src.head.base import HeadSpec
 from jaxhead._src.head.scan import Tuning
 
+#: implementations that run every value of each stress below; the kernels (interpret mode:
+#: seconds a case) and the vocab-parallel head run one value of each by default, the others
+#: with ``pytest -m slow``
+EVERY_VALUE = ("xla", "xla_cpu")
+
+
+def grid(values, default):
+    """``(value..., impl)`` cases of ``values`` x ``IMPLS``: all on ``EVERY_VALUE``, only
+    ``default`` on the others unless slow."""
+    cases = []
+    for value in values:
+        for impl in IMPLS:
+            args = (*value, impl) if isinstance(value, tuple) else (value, impl)
+            fast = impl in EVERY_VALUE or value == default
+            cases.append(pytest.param(*args, marks=() if fast else pytest.mark.slow))
+    return cases
+
 
 def check(impl, hidden, weight, labels, *, logp_bound=2e-6, grad_bound=1e-5, **kw):
     """Log-probs, entropy and the gradients of ``sum(g logp) + sum(e entropy)`` of ``impl``
@@ -38,8 +55,7 @@ def check(impl, hidden, weight, labels, *, logp_bound=2e-6, grad_bound=1e-5, **k
     return got, plain
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("c", [0.0, 512.0, 3000.0])
+@pytest.mark.parametrize("c, impl", grid([0.0, 512.0, 3000.0], 512.0))  # 512: the report
 def test_one_row_with_large_logits(impl, c):
     """The reported case: ``h = [[1]]``, ``W = [[c, c - 1]]``: the gradient w.r.t. ``W`` is
     ``+-0.26894142`` and sums to zero whatever ``c`` (it read ``[0.26892006, -0.26894930]`` at
@@ -54,8 +70,7 @@ def test_one_row_with_large_logits(impl, c):
     assert max(got["logp"], got["entropy"], got["dw"]) <= 1e-6, got
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("temperature", [0.015625, 0.01])
+@pytest.mark.parametrize("temperature, impl", grid([0.015625, 0.01], 0.015625))
 def test_low_temperature(impl, temperature):
     """Temperatures down to 0.01 multiply the logits by up to 100 (0.01: the rounding of
     the tempered logits is the floor; ``T = 2^-6``: none). With ``T = 2^-6`` every
@@ -70,9 +85,8 @@ def test_low_temperature(impl, temperature):
         assert got["logp"] <= max(2e-6, ulp) and got["dh"] <= 1e-5 and got["dw"] <= 1e-5
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("shift, through", [(1e4, "hidden"), (-1e4, "hidden"),
-                                            (-1e4, "weight")])
+@pytest.mark.parametrize("shift, through, impl", grid(
+    [(1e4, "hidden"), (-1e4, "hidden"), (-1e4, "weight")], (1e4, "hidden")))
 def test_logits_shifted_by_a_large_constant(impl, shift, through):
     """Every logit of a row shifted by up to 1e4: through the hidden state (an extra unit
     whose weight row is constant: the same shift for every column of a row) or through the
@@ -165,8 +179,8 @@ def _thresholds(hidden, weight, temperature):
     return tau.astype(np.float32)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("temperature, softcap", [(1.0, None), (0.6, 4.0)])
+@pytest.mark.parametrize("temperature, softcap, impl", grid([(1.0, None), (0.6, 4.0)],
+                                                            (0.6, 4.0)))
 def test_min_logit_restricts_the_softmax_exactly(impl, temperature, softcap):
     """``min_logit``: log-prob and entropy of the softmax restricted to ``{l >= min_logit}``
     and the label, against a float64 oracle of the restricted softmax (2e-6 / 1e-5

@@ -70,7 +70,9 @@ def _value_and_grads(impl, weight_layout, hidden, weight, labels, keep, kw, g, e
     return out.logprobs, out.entropy, *grads
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# float32 is slow-marked: test_vh_matches_the_float64_reference keeps float32 vh against
+# float64 for every implementation, the bfloat16 case here vh against hv bit for bit
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_vh_with_the_transpose_equals_hv(impl, dtype):
     hidden, weight, labels, keep, kw, g, e = _case(jnp.dtype(dtype))

@@ -40,12 +40,13 @@ from train.rl import packing
 MOE = "tiny-moe"
 
 
-# in the slow set: the reference engine's MoE cases (the dense test runs that engine by
-# default) and float32 (the dense model's float32 cases stay; bf16 is the presets' dtype
-# and where routes flip most easily)
+# every case in the slow set: the default run keeps the property in
+# tests/models/test_invariant_mesh.py::test_sampler_logprobs_are_the_trainers_on_a_mesh
+# [moe_fsdp_expert] (bf16 MoE, compact engine: the one-device sampler's log-probs equal the
+# mesh sampler's, the mesh trainer's and the one-device trainer's bit for bit); the waiting
+# engine stays in the dense model's default cases (test_invariant_numerics.py)
 @pytest.mark.parametrize("engine, dtype", [
     pytest.param(e, d, marks=pytest.mark.slow)
-    if e != "waiting" or d == "float32" else (e, d)
     for d in ("float32", "bfloat16") for e in ENGINES])
 def test_moe_sampler_logprobs_are_the_trainers_bit_for_bit(engine, dtype):
     """The issue's acceptance for MoE: every completion token's sampler log-prob equals

@@ -254,6 +254,11 @@ def test_truncated_draws_are_the_trainers_bit_for_bit(dtype):
     np.testing.assert_array_equal(trainer, roll.logprobs)
 
 
+# slow: the default run keeps a moved request's draws in test_request_isolation.py::
+# test_moved_request_draws_the_same_tokens[dense], a truncated draw's rows wherever they
+# sit in tests/jaxhead/test_sampling.py::test_row_ids_draw_the_rows_of_the_whole_batch,
+# and truncated draws under continuous batching in test_truncated_draws_are_the_trainers_*
+@pytest.mark.slow
 def test_truncated_request_draws_the_same_tokens_in_any_batch():
     """The same request draws the same truncated tokens and log-probs whatever rows and
     batch it runs in: the prompts reversed (each under its request id) and decoded with

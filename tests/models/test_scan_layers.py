@@ -102,7 +102,10 @@ def cached_step(model, cache, tokens, positions, segment_ids):
     return model.logits(out.hidden), out.cache
 
 
-@pytest.mark.parametrize("kind", list(CONFIGS))
+# dense is slow: the moe case runs the same scanned cache path (its attention layers are
+# the dense model's), and test_invariant_scan.py's scanned dense step decodes with a cache
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "dense"
+                                  else k for k in CONFIGS])
 def test_decode_with_cache_equals_loop(kind):
     loop = random_model(config(kind), seed=2)
     scan = as_scanned(loop)

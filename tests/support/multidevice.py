@@ -30,9 +30,11 @@ def abstract_mesh(**sizes: int) -> AbstractMesh:
     return AbstractMesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
-#: XLA flags of every subprocess case: LLVM optimisation off, about half the compile
-#: time of a case (most of its time) and the same HLO, so the same values: what XLA:CPU
-#: computes is fixed by the HLO, and without fast-math LLVM may not reorder float math.
+#: XLA flags of the subprocess cases: LLVM optimisation off, about half the compile time
+#: of a case (most of its time). The HLO is the same but not every value: float32 model
+#: log-probs move by an ulp or two against the default flags' (and XLA:CPU's tiles stop
+#: being batch-invariant, docs/numerics.md), so a case compares only programs compiled
+#: with the same flags, and the invariant-numerics cases compile without these.
 CASE_FLAGS = "--xla_backend_optimization_level=0"
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import ROOT
+from tests.support.multidevice import CASE_FLAGS
 
 MICRO = str(ROOT / "configs" / "grpo_micro.py")
 TRAIN_KEYS = {
@@ -32,8 +33,11 @@ TRAIN_KEYS = {
 @pytest.fixture(scope="session")
 def env(tmp_path_factory):
     cache = tmp_path_factory.getbasetemp().parent / "jax_compilation_cache"
+    # CASE_FLAGS (LLVM optimisation off) halve the runs' compile time; these checks compare
+    # runs compiled alike, or with tolerances, never against the default flags' bits
     return dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                XLA_FLAGS=f"{CASE_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip())
 
 
 def _cmd(workdir, *overrides):

@@ -30,6 +30,9 @@ def test_moe_gap_reports_the_steps_expert_disagreement(moe_work):
     assert g["tokens"] == int(ro.lengths.sum())
 
 
+# slow: tests/train/test_routing_replay.py::test_step_replays_the_samplers_routes keeps it
+# (the same grpo_step with routing_replay: disagreement above 0.01 without, exactly 0 with)
+@pytest.mark.slow
 def test_routing_replay_takes_the_samplers_experts(moe_work):
     """With replay the trainer's forward takes every recorded route (disagreement 0), on
     the rollout the default mode scored (same tokens)."""
@@ -40,6 +43,8 @@ def test_routing_replay_takes_the_samplers_experts(moe_work):
         np.testing.assert_array_equal(replay["diff"], default["diff"])
 
 
+# slow: every dense workload of tests/models/test_invariant_scan.py checks the same
+@pytest.mark.slow
 def test_dense_workload_has_no_router():
     work = on_policy.workload("tiny", dtype="bfloat16", **SIZES)
     g = on_policy.gap(work)
