@@ -19,6 +19,14 @@ CONFIGS = {"xla": jaxhead.XlaConfig, "xla_cpu": jaxhead.XlaCpuConfig}
 impls = pytest.mark.parametrize("impl", list(CONFIGS))
 
 
+def covering(values: list, default: set) -> list:
+    """Every combination of ``values`` (one list per parameter) as a ``pytest.param``; those
+    not in ``default`` (a covering subset) are marked slow."""
+    return [pytest.param(*case, marks=() if case in default else pytest.mark.slow,
+                         id="-".join(map(str, case)))
+            for case in itertools.product(*values)]
+
+
 def _kw(impl, **config):
     """``token_logprobs`` keywords selecting ``impl`` with ``config`` fields."""
     return {"config": CONFIGS[impl](**config)}
@@ -68,10 +76,8 @@ RAGGED_PAIRWISE = {(128, 1000, "xla"), (4096, 50257, "xla"), (4096, 1000, "xla_c
                    (128, 50257, "xla_cpu")}
 
 
-@pytest.mark.parametrize("vocab_chunk, vocab, impl", [
-    pytest.param(*case, marks=() if case in RAGGED_PAIRWISE else pytest.mark.slow,
-                 id="-".join(map(str, case)))
-    for case in itertools.product([128, 4096], [1000, 50257], CONFIGS)])
+@pytest.mark.parametrize("vocab_chunk, vocab, impl", covering(
+    [[128, 4096], [1000, 50257], list(CONFIGS)], RAGGED_PAIRWISE))
 def test_ragged_vocab_adds_no_padding_mass(impl, vocab, vocab_chunk):
     hidden, weight, labels = head_inputs(2, 96, 64, vocab, exact_dot=True)
     out = _fwd(hidden, weight, labels, impl, {"vocab_chunk": vocab_chunk, "token_chunk": 32})
@@ -112,14 +118,11 @@ PAIRWISE = {("plain", "logp", "fused", "xla"), ("plain", "entropy", "two_pass", 
             ("per_token_temp", "entropy", "fused", "xla"),
             ("per_token_temp", "both", "two_pass", "xla"), ("softcap", "logp", "two_pass", "xla"),
             ("softcap", "entropy", "fused", "xla_cpu"), ("softcap", "both", "fused", "xla")}
-GRADIENT_CASES = [
-    pytest.param(*case, marks=() if case in PAIRWISE else pytest.mark.slow,
-                 id="-".join(case))
-    for case in itertools.product(["plain", "per_token_temp", "softcap"], COTANGENTS,
-                                  ["fused", "two_pass"], CONFIGS)]
 
 
-@pytest.mark.parametrize("variant, cotangent, backward, impl", GRADIENT_CASES)
+@pytest.mark.parametrize("variant, cotangent, backward, impl", covering(
+    [["plain", "per_token_temp", "softcap"], list(COTANGENTS), ["fused", "two_pass"],
+     list(CONFIGS)], PAIRWISE))
 def test_gradients_match_float64_autodiff(variant, cotangent, backward, impl):
     fused_max = 0 if backward == "two_pass" else 256 * 2**20
     n, h, v = 72, 40, 1000

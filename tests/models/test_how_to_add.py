@@ -3,8 +3,9 @@ of ``jaxhead._src.head.api.REGISTRY`` and ``token_logprobs(impl=...)`` runs it; 
 kernel is one more entry of ``models.attention.api.REGISTRY`` and a model whose
 ``attention_impl`` names it builds and runs; an MoE dispatch path is one more entry of
 ``models.moe.api.REGISTRY``: the config check takes ``expert_dispatch`` naming it, and the
-expert-parallel experts (``routed_experts``, under a mesh) run through it; a KV-cache kind is a cache and a layer view of the one interface
-(``models.cache``), which the decoder runs without knowing it. Each trivial entry wraps an
+expert-parallel experts (``routed_experts``, under a mesh) run through it; a KV-cache kind
+is a cache and a layer view of the one interface (``models.cache``), which the decoder
+runs without knowing it. Each trivial entry wraps an
 existing path, so its results are that path's bit for bit. (A rollout engine:
 ``test_engine_registry.py``; a model family: ``test_hf_families.py``; a loss variant:
 ``tests/train/test_how_to_add_loss.py``.)"""

@@ -45,9 +45,9 @@ MOE = "tiny-moe"
 # [moe_fsdp_expert] (bf16 MoE, compact engine: the one-device sampler's log-probs equal the
 # mesh sampler's, the mesh trainer's and the one-device trainer's bit for bit); the waiting
 # engine stays in the dense model's default cases (test_invariant_numerics.py)
-@pytest.mark.parametrize("engine, dtype", [
-    pytest.param(e, d, marks=pytest.mark.slow)
-    for d in ("float32", "bfloat16") for e in ENGINES])
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("engine", list(ENGINES))
 def test_moe_sampler_logprobs_are_the_trainers_bit_for_bit(engine, dtype):
     """The issue's acceptance for MoE: every completion token's sampler log-prob equals
     the trainer's, ``np.array_equal`` (sampled at temperature 0.7)."""

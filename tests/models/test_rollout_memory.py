@@ -6,19 +6,17 @@ prefills every prompt G times)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 from tests.support import ROOT
-from tests.support.multidevice import CASE_FLAGS
+from tests.support.multidevice import device_env
 
 
 def test_rollout_memory_benchmark_on_cpu():
-    # CASE_FLAGS: the table comes from XLA's buffer assignment, which LLVM's optimisation
-    # level does not change, in half the compile time
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"{CASE_FLAGS} --xla_force_host_platform_device_count=4"}
+    # device_env's CASE_FLAGS: the table comes from XLA's buffer assignment, which LLVM's
+    # optimisation level does not change, in half the compile time
+    env = device_env(4)
     proc = subprocess.run(
         [sys.executable, "benchmarks/rollout_memory.py", "--preset", "tiny-moe",
          "--topology", "cpu", "--mesh", "fsdp=2,expert=2", "--layers", "1"],

@@ -211,11 +211,8 @@ def _terms(problem) -> int:
     return problem.entry["metadata"]["num_terms"]
 
 
-def test_sft_stage_draws_its_own_problems(tmp_path):
-    """``sft.task_kwargs``: the SFT stage trains on easier instances of the task (2 terms)
-    while GRPO and the held-out set keep ``data.task_kwargs``' (3 terms), the split of the
-    main job (issue 44: the warm start must leave GRPO something to teach). A dataset
-    config the task rejects fails in ``setup.build``, naming the task, before any work."""
+def _micro_run(tmp_path, data_kwargs: dict, sft_kwargs: dict, **eval_):
+    """``(cfg, setup, training seed)`` of the micro config with these task splits."""
     from tests.support import ROOT
     from train.config.cli import load_config
     from train.data.tasks import training_seed
@@ -223,10 +220,21 @@ def test_sft_stage_draws_its_own_problems(tmp_path):
 
     cfg = load_config(str(ROOT / "configs" / "grpo_micro.py"))
     cfg.workdir, cfg.metrics.tensorboard = str(tmp_path / "run"), False
-    cfg.data.task_kwargs = {"chain_sum": {"min_terms": 3, "max_terms": 3}}
-    cfg.sft.task_kwargs = {"chain_sum": {"min_terms": 2, "max_terms": 2, "max_digits": 1}}
-    s = setup.build(cfg)
-    seed = training_seed(cfg.data.train_seed, cfg.seed)
+    cfg.data.task_kwargs, cfg.sft.task_kwargs = data_kwargs, sft_kwargs
+    for key, value in eval_.items():
+        setattr(cfg.eval, key, value)
+    return cfg, setup.build(cfg), training_seed(cfg.data.train_seed, cfg.seed)
+
+
+def test_sft_stage_draws_its_own_problems(tmp_path):
+    """``sft.task_kwargs``: the SFT stage trains on easier instances of the task (2 terms)
+    while GRPO and the held-out set keep ``data.task_kwargs``' (3 terms), the split of the
+    main job (issue 44: the warm start must leave GRPO something to teach). A dataset
+    config the task rejects fails in ``setup.build``, naming the task, before any work."""
+    from train.run import setup
+
+    cfg, s, seed = _micro_run(tmp_path, {"chain_sum": {"min_terms": 3, "max_terms": 3}},
+                              {"chain_sum": {"min_terms": 2, "max_terms": 2, "max_digits": 1}})
     sft = [p for _, (_, p) in zip(range(100), s.stage_tasks("sft").train_stream(seed, s.exclude))]
     grpo = [p for _, (_, p) in zip(range(100), s.stage_tasks("grpo").train_stream(seed,
                                                                                   s.exclude))]
@@ -245,21 +253,12 @@ def test_an_sft_stage_that_covers_the_held_out_distribution_never_draws_a_held_o
     """The main job's SFT stage (sums of 2 to 4 terms) contains GRPO's held-out
     distribution (4 terms): the stage's stream, as the loop draws it (``stage_tasks("sft")``
     with ``exclude``), skips every held-out question text, and would draw some without it."""
-    from tests.support import ROOT
-    from train.config.cli import load_config
-    from train.data.tasks import training_seed
-    from train.run import setup
-
-    cfg = load_config(str(ROOT / "configs" / "grpo_micro.py"))
-    cfg.workdir, cfg.metrics.tensorboard = str(tmp_path / "run"), False
     one_digit = {"min_digits": 1, "max_digits": 1}
-    cfg.data.task_kwargs = {"chain_sum": {"min_terms": 2, "max_terms": 2, **one_digit}}
-    cfg.sft.task_kwargs = {"chain_sum": {"min_terms": 2, "max_terms": 3, **one_digit}}
-    cfg.eval.size = 64
-    s = setup.build(cfg)
+    _, s, seed = _micro_run(tmp_path, {"chain_sum": {"min_terms": 2, "max_terms": 2, **one_digit}},
+                            {"chain_sum": {"min_terms": 2, "max_terms": 3, **one_digit}},
+                            size=64)
     held_out = {p.question for p in s.eval_problems}
     assert len(held_out) == 64 and s.exclude == held_out
-    seed = training_seed(cfg.data.train_seed, cfg.seed)
     sft = s.stage_tasks("sft")
     drawn = [p for _, (_, p) in zip(range(3000), sft.train_stream(seed, s.exclude))]
     assert {_terms(p) for p in drawn} == {2, 3}  # the held-out kind among them

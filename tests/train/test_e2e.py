@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import ROOT
-from tests.support.multidevice import CASE_FLAGS
+from tests.support.multidevice import device_env
 
 MICRO = str(ROOT / "configs" / "grpo_micro.py")
 TRAIN_KEYS = {
@@ -33,11 +33,10 @@ TRAIN_KEYS = {
 @pytest.fixture(scope="session")
 def env(tmp_path_factory):
     cache = tmp_path_factory.getbasetemp().parent / "jax_compilation_cache"
-    # CASE_FLAGS (LLVM optimisation off) halve the runs' compile time; these checks compare
-    # runs compiled alike, or with tolerances, never against the default flags' bits
-    return dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                XLA_FLAGS=f"{CASE_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip())
+    # device_env's CASE_FLAGS (LLVM optimisation off) halve the runs' compile time; these
+    # checks compare runs compiled alike, or with tolerances, never the default flags' bits
+    return device_env(1, JAX_COMPILATION_CACHE_DIR=str(cache),
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 
 
 def _cmd(workdir, *overrides):
